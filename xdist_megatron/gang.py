@@ -1,0 +1,339 @@
+"""The driver's side of a gang: start it from the zygote, run jobs on it, time out, retire it.
+
+A gang is N rank processes forked from the zygote, joined in a process group through a TCPStore
+that the driver owns (port 0, so ports never race). Each rank talks to the driver over its own
+socket pair. A job that fails on any rank, times out or loses a rank retires the gang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from . import placement
+from .protocol import FAILED, CallJob, Job, RankResult, RankSpec, Ready, ShutdownJob
+from .rank import STACK_SIGNAL
+from .zygote_client import ZygoteClient, ZygoteError, describe_exit
+
+DEFAULT_TIMEOUT = 300.0
+START_TIMEOUT = 120.0
+FAILURE_GRACE = 2.0  # how long the other ranks may still finish after one rank failed
+STACK_WAIT = 2.0
+LOCALHOST = "127.0.0.1"
+
+
+class GangError(RuntimeError):
+    """A gang could not start, or a call failed on some of its ranks."""
+
+    def __init__(self, message: str, results: list[RankResult] | None = None) -> None:
+        super().__init__(message)
+        self.results = results or []
+
+
+class Gang:
+    """N ranks in a process group, ready to run jobs.
+
+    Standalone use: `with Gang(world_size=2) as g: g.run(fn, 1, 2)`.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        devices: placement.DeviceSet | None = None,
+        block: tuple[int, ...] | None = None,
+        backend: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        zygote: ZygoteClient | None = None,
+        workdir: str | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.devices = devices or detect_devices()
+        self.block = block or placement.block_for(self.devices, world_size)
+        if self.block is None:
+            raise GangError(
+                f"needs {world_size} devices, {self.devices.count} available"
+            )
+        self.backend = backend or default_backend(self.devices)
+        self.timeout = timeout
+        self._own_zygote = zygote is None
+        self._zygote = zygote
+        self._workdir = workdir
+        self.pids: list[int] = []
+        self.last_module: str | None = None
+        self._conns: list[Connection] = []
+        self._store: Any = None
+        self.alive = False
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def start(self) -> Gang:
+        """Fork the ranks and wait until every one has joined the process group."""
+        import torch.distributed as dist
+
+        if self._zygote is None:
+            self._zygote = ZygoteClient(["torch", "torch.distributed"], None)
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-gang-")
+        self._store = dist.TCPStore(
+            LOCALHOST, 0, None, True, timedelta(seconds=START_TIMEOUT), wait_for_workers=False
+        )
+        specs = [self._spec(rank, self._store.port) for rank in range(self.world_size)]
+        pairs = [socket.socketpair() for _ in specs]
+        try:
+            self.pids = self._zygote.fork(specs, [theirs.fileno() for _, theirs in pairs])
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
+        self._conns = [Connection(ours.detach()) for ours, _ in pairs]
+        self.alive = True
+        try:
+            self._await_ready()
+        except BaseException:
+            self.retire()
+            raise
+        return self
+
+    def _spec(self, rank: int, port: int) -> RankSpec:
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": LOCALHOST,
+            "MASTER_PORT": str(port),
+            "CUDA_VISIBLE_DEVICES": self.devices.visible_devices(self.block),
+            "XDIST_MEGATRON_DEVICES": ",".join(str(d) for d in self.block),
+        }
+        return RankSpec(
+            rank=rank,
+            world_size=self.world_size,
+            env=env,
+            backend=self.backend,
+            store_host=LOCALHOST,
+            store_port=port,
+            use_cuda=self.devices.is_cuda,
+            driver_pid=os.getpid(),
+            stack_path=os.path.join(self._workdir, f"stacks-{port}-{rank}.txt"),
+            start_timeout=START_TIMEOUT,
+        )
+
+    def _await_ready(self) -> None:
+        waiting = dict(zip(self._conns, range(self.world_size)))
+        deadline = time.monotonic() + START_TIMEOUT
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ranks = sorted(waiting.values())
+                stacks = self._dump_stacks(ranks)
+                raise GangError(
+                    f"gang of {self.world_size} did not start within {START_TIMEOUT:.0f} s: "
+                    f"rank(s) {_ranks(ranks)} never joined the process group\n"
+                    + "\n".join(stacks[r] for r in ranks)
+                )
+            for conn in wait(list(waiting), min(remaining, 0.5)):
+                rank = waiting.pop(conn)
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    code = self._zygote.exit_code(self.pids[rank], 1.0)
+                    raise GangError(
+                        f"gang of {self.world_size} failed to start: rank {rank} "
+                        f"{describe_exit(code)}"
+                    ) from None
+                if not isinstance(message, Ready):
+                    raise GangError(f"rank {rank} sent {message!r} instead of Ready")
+
+    def retire(self) -> None:
+        """Kill every rank now (after a failure, a timeout or an interrupt)."""
+        if not self.alive:
+            return
+        self.alive = False
+        self._zygote.signal(self.pids, signal.SIGKILL)
+        self._zygote.wait_exits(self.pids, 5.0)
+        self._release()
+
+    def close(self) -> None:
+        """Shut down cleanly: each rank leaves the process group and exits."""
+        if self.alive:
+            self.alive = False
+            for conn in self._conns:
+                try:
+                    conn.send(ShutdownJob())
+                except OSError:
+                    pass
+            self._zygote.wait_exits(self.pids, 5.0)
+            self._zygote.signal(self.pids, signal.SIGKILL)
+            self._zygote.wait_exits(self.pids, 5.0)
+            self._release()
+        if self._own_zygote and self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def _release(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        self._store = None
+
+    def __enter__(self) -> Gang:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `fn(*args, **kwargs)` on every rank; return the per-rank values in rank order."""
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(
+                f"gang.run needs an importable function (module level or a functools.partial "
+                f"of one) and picklable arguments: {exc}"
+            ) from exc
+        main_path = getattr(sys.modules["__main__"], "__file__", None)
+        results = self.execute(CallJob(payload, list(sys.path), main_path), self.timeout)
+        failed = [r for r in results if r.outcome == FAILED]
+        if failed:
+            details = "\n".join(f"--- rank {r.rank} ---\n{r.longrepr or r.message}" for r in failed)
+            raise GangError(
+                f"{getattr(fn, '__name__', fn)} failed on rank(s) "
+                f"{_ranks([r.rank for r in failed])}: {failed[0].message}\n{details}",
+                results,
+            )
+        return [r.value for r in results]
+
+    def execute(self, job: Job, timeout: float) -> list[RankResult]:
+        """Send `job` to every rank and collect one result per rank, in rank order.
+
+        Never hangs: a rank that dies is reported with its exit code, ranks still busy at the
+        timeout (or shortly after another rank failed) are reported with their Python stacks.
+        Any failure retires the gang.
+        """
+        if not self.alive:
+            raise GangError("the gang is not running")
+        try:
+            payload = pickle.dumps(job)
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            results = self._collect(timeout)
+        except BaseException:
+            self.retire()
+            raise
+        if any(r.outcome == FAILED for r in results):
+            self.retire()
+        return results
+
+    def _collect(self, timeout: float) -> list[RankResult]:
+        results: dict[int, RankResult] = {}
+        waiting = dict(zip(self._conns, range(self.world_size)))
+        deadline = time.monotonic() + timeout
+        grace_end = float("inf")
+        while waiting:
+            now = time.monotonic()
+            limit = min(deadline, grace_end)
+            if now >= limit:
+                break
+            ready = wait([*waiting, self._zygote.conn], min(limit - now, 1.0))
+            for conn in ready:
+                if conn is self._zygote.conn:
+                    self._pump_zygote()
+                    continue
+                rank = waiting.pop(conn)
+                results[rank] = self._receive(conn, rank)
+            for conn, rank in list(waiting.items()):
+                if self.pids[rank] in self._zygote.exits:
+                    del waiting[conn]
+                    results[rank] = self._death(rank)
+            if grace_end == float("inf") and any(r.outcome == FAILED for r in results.values()):
+                grace_end = time.monotonic() + FAILURE_GRACE
+        if waiting:
+            ranks = sorted(waiting.values())
+            if time.monotonic() >= deadline:
+                why = f"timed out after {timeout:g} s"
+            else:
+                first = min(r.rank for r in results.values() if r.outcome == FAILED)
+                why = f"was still running {FAILURE_GRACE:g} s after rank {first} failed"
+            stacks = self._dump_stacks(ranks)
+            for rank in ranks:
+                results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stacks[rank])
+        return [results[rank] for rank in range(self.world_size)]
+
+    def _pump_zygote(self) -> None:
+        try:
+            self._zygote.pump()
+        except ZygoteError:
+            for pid in self.pids:
+                self._zygote.exits.setdefault(pid, -signal.SIGKILL)
+
+    def _receive(self, conn: Connection, rank: int) -> RankResult:
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            return self._death(rank)
+
+    def _death(self, rank: int) -> RankResult:
+        code = self._zygote.exit_code(self.pids[rank], 1.0) if self._zygote.alive else None
+        message = f"rank {rank} {describe_exit(code)}"
+        return RankResult(rank, FAILED, message, message)
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every given rank's Python stacks, through faulthandler (works inside a collective)."""
+        paths = {r: os.path.join(self._workdir, f"stacks-{self._store.port}-{r}.txt") for r in ranks}
+        self._zygote.signal([self.pids[r] for r in ranks], STACK_SIGNAL)
+        deadline = time.monotonic() + STACK_WAIT
+        sizes: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = {r: _size(p) for r, p in paths.items()}
+            if all(now.values()) and now == sizes:
+                break
+            sizes = now
+        return {r: _read_stacks(r, p) for r, p in paths.items()}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_stacks(rank: int, path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        text = ""
+    return f"Python stacks of rank {rank}:\n{text or '(none: the rank did not answer)'}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def detect_devices(spec: str | None = None) -> placement.DeviceSet:
+    """The devices this process may use: `spec`, or every visible GPU, or CPU slots."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return placement.parse_devices(
+        spec, gpus, os.cpu_count() or 1, os.environ.get("CUDA_VISIBLE_DEVICES")
+    )
+
+
+def default_backend(devices: placement.DeviceSet) -> str:
+    return "cpu:gloo,cuda:nccl" if devices.is_cuda else "gloo"

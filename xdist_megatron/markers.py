@@ -1,0 +1,62 @@
+"""The `world_size` marker: validation, one item per size, and each item's resolved size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+MARKER = "world_size"
+PARAM = "_megatron_world_size"
+ALL = "all"
+MARKER_HELP = (
+    "world_size(*sizes): run the test body on every rank of a gang of that many processes; "
+    "several sizes make one test per size (ids ws1, ws2...); 'all' means every device of the run."
+)
+
+
+class MarkerError(ValueError):
+    """A malformed world_size marker."""
+
+
+def declared_sizes(marker: Any, test_name: str) -> list[int | str]:
+    """The sizes a marker asks for, validated: positive ints or "all"."""
+    sizes = list(marker.args)
+    if not sizes:
+        raise MarkerError(f"{test_name}: @pytest.mark.world_size needs at least one size")
+    for size in sizes:
+        valid = size == ALL or (type(size) is int and size > 0)
+        if not valid:
+            raise MarkerError(
+                f"{test_name}: @pytest.mark.world_size expects positive ints or 'all', "
+                f"got {size!r}"
+            )
+    return sizes
+
+
+def resolve(size: int | str, device_count: int) -> int:
+    return device_count if size == ALL else int(size)
+
+
+def parametrize_sizes(metafunc: pytest.Metafunc, device_count: int) -> None:
+    """Several sizes: make one item per size with the ids ws1, ws2, ..."""
+    marker = metafunc.definition.get_closest_marker(MARKER)
+    if marker is None:
+        return
+    sizes = declared_sizes(marker, metafunc.definition.nodeid)
+    if len(sizes) < 2:
+        return
+    resolved = list(dict.fromkeys(resolve(s, device_count) for s in sizes))
+    metafunc.fixturenames.append(PARAM)
+    metafunc.parametrize(PARAM, resolved, ids=[f"ws{n}" for n in resolved])
+
+
+def item_world_size(item: pytest.Item, device_count: int) -> int | None:
+    """The gang size an item runs on, or None for an unmarked test."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and PARAM in callspec.params:
+        return callspec.params[PARAM]
+    marker = item.get_closest_marker(MARKER)
+    if marker is None:
+        return None
+    return resolve(declared_sizes(marker, item.nodeid)[0], device_count)

@@ -1,0 +1,100 @@
+"""Devices and device blocks: pure functions, no torch and no xdist imports.
+
+A run has a device set: GPUs (indices into the CUDA devices the session sees) or, in CPU mode,
+numbered slots. A gang of size k occupies a block of k devices from that set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CPU_PREFIX = "cpu:"
+MIN_CPU_SLOTS = 8
+
+
+@dataclass(frozen=True)
+class DeviceSet:
+    """The devices a run may place gangs on."""
+
+    kind: str  # "cuda" or "cpu"
+    ids: tuple[int, ...]
+    physical: tuple[str, ...] = ()  # CUDA ids as the session saw them, for CUDA_VISIBLE_DEVICES
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def visible_devices(self, block: tuple[int, ...]) -> str:
+        """CUDA_VISIBLE_DEVICES for a gang on `block` ("" in CPU mode: ranks see no GPU)."""
+        if not self.is_cuda:
+            return ""
+        return ",".join(self.physical[i] if self.physical else str(i) for i in block)
+
+
+def cpu_slots(cpu_count: int) -> int:
+    """Default CPU-mode slot count: gloo ranks oversubscribe cores, so small machines get 8."""
+    return max(MIN_CPU_SLOTS, cpu_count)
+
+
+def parse_devices(
+    spec: str | None, gpu_count: int, cpu_count: int, cuda_visible: str | None = None
+) -> DeviceSet:
+    """Parse `--megatron-devices` ("0,1,2,3", "cpu:8", or None for every GPU / CPU mode)."""
+    physical = _split_visible(cuda_visible, gpu_count)
+    if spec is None or not spec.strip():
+        if gpu_count > 0:
+            return DeviceSet("cuda", tuple(range(gpu_count)), physical)
+        return DeviceSet("cpu", tuple(range(cpu_slots(cpu_count))))
+    spec = spec.strip()
+    if spec.startswith(CPU_PREFIX):
+        count = _positive_int(spec[len(CPU_PREFIX) :], spec)
+        return DeviceSet("cpu", tuple(range(count)))
+    if spec == "cpu":
+        return DeviceSet("cpu", tuple(range(cpu_slots(cpu_count))))
+    ids = tuple(_non_negative_int(part, spec) for part in spec.split(","))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--megatron-devices {spec!r} names a device twice")
+    missing = [i for i in ids if i >= gpu_count]
+    if missing:
+        raise ValueError(
+            f"--megatron-devices {spec!r}: device {missing[0]} does not exist "
+            f"({gpu_count} visible)"
+        )
+    return DeviceSet("cuda", ids, physical)
+
+
+def block_for(devices: DeviceSet, size: int, slot: int = 0) -> tuple[int, ...] | None:
+    """The aligned block of `size` devices with index `slot`, or None when it does not fit."""
+    start = slot * size
+    if size < 1 or start + size > devices.count:
+        return None
+    return devices.ids[start : start + size]
+
+
+def _split_visible(cuda_visible: str | None, gpu_count: int) -> tuple[str, ...]:
+    if cuda_visible is None or not cuda_visible.strip():
+        return tuple(str(i) for i in range(gpu_count))
+    return tuple(part.strip() for part in cuda_visible.split(",") if part.strip())
+
+
+def _positive_int(text: str, spec: str) -> int:
+    value = _non_negative_int(text, spec)
+    if value == 0:
+        raise ValueError(f"--megatron-devices {spec!r}: need at least one device")
+    return value
+
+
+def _non_negative_int(text: str, spec: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"--megatron-devices {spec!r}: expected '0,1,2' or 'cpu:N'"
+        ) from None
+    if value < 0:
+        raise ValueError(f"--megatron-devices {spec!r}: negative device {value}")
+    return value

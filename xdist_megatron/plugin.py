@@ -1,0 +1,427 @@
+"""pytest hooks: options, the world_size marker, rank fixtures, and marked tests run on gangs."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+from . import markers, passthrough, reporting
+from .gang import GangError, default_backend, detect_devices
+from .placement import DeviceSet
+from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
+from .protocol import FAILED, PASSED, SKIPPED, XFAILED, CleanupJob, RankInfo, TestJob
+from .reporting import RankFailures, RankFailuresRepr
+
+NATIVE_FIXTURES = ("rank", "world_size", "local_rank", "device")
+DEFAULT_TIMEOUT = 300.0
+BASE_PRELOAD = ["torch", "torch.distributed"]
+NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
+
+RUNTIME = pytest.StashKey["Runtime"]()
+WORLD_SIZE = pytest.StashKey[int]()
+NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
+FIXTURE_BLOB = pytest.StashKey[bytes]()
+RESULTS = pytest.StashKey[list]()
+TIMEOUT = pytest.StashKey[float]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("megatron", "xdist-megatron: distributed tests on persistent rank gangs")
+    group.addoption(
+        "--megatron-timeout",
+        type=float,
+        default=None,
+        help="seconds a test may run on a gang before its ranks' stacks are dumped and the gang "
+        "is killed (default: ini megatron_timeout, 300).",
+    )
+    group.addoption(
+        "--megatron-devices",
+        default=None,
+        help="devices for gangs: '0,1,2,3' (GPU indices) or 'cpu:N' (N CPU slots); default: every "
+        "visible GPU, else CPU mode with max(8, cores) slots.",
+    )
+    group.addoption(
+        "--megatron-backend",
+        default=None,
+        help="torch.distributed backend of the gangs (default 'cpu:gloo,cuda:nccl' on GPUs, "
+        "'gloo' on CPU).",
+    )
+    parser.addini("megatron_timeout", "default of --megatron-timeout", default=str(DEFAULT_TIMEOUT))
+    parser.addini(
+        "megatron_preload",
+        "modules the zygote imports once for every rank (default: torch, torch.distributed and "
+        "the third-party packages the collected test modules imported)",
+        type="linelist",
+    )
+    parser.addini(
+        "megatron_gang_scope",
+        "session: one gang per world size for the session, reset at module boundaries; "
+        "module: a fresh gang for every module",
+        default=SESSION_SCOPE,
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", markers.MARKER_HELP)
+    config.addinivalue_line(
+        "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
+    )
+    config.stash[RUNTIME] = Runtime(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    runtime = config.stash.get(RUNTIME, None)
+    if runtime is not None:
+        runtime.close()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[RUNTIME].close()
+
+
+class Runtime:
+    """This process's plugin state: its devices and, once a marked test runs, its gangs."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.torchrun = passthrough.TorchrunRank() if passthrough.under_torchrun() else None
+        scope = config.getini("megatron_gang_scope")
+        if scope not in (SESSION_SCOPE, MODULE_SCOPE):
+            raise pytest.UsageError(f"megatron_gang_scope must be session or module, got {scope!r}")
+        self.scope = scope
+        self._devices: DeviceSet | None = None
+        self._pool: GangPool | None = None
+
+    @property
+    def devices(self) -> DeviceSet:
+        if self._devices is None:
+            try:
+                self._devices = detect_devices(self.config.getoption("megatron_devices"))
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        return self._devices
+
+    @property
+    def device_count(self) -> int:
+        if self.torchrun is not None:
+            return self.torchrun.world_size
+        return self.devices.count
+
+    @property
+    def pool(self) -> GangPool:
+        if self._pool is None:
+            self._pool = GangPool(
+                self.devices,
+                self.config.getoption("megatron_backend") or default_backend(self.devices),
+                self.preload,
+                self.scope,
+                quiet_zygote=self.config.getoption("capture") != "no",
+            )
+        return self._pool
+
+    def default_timeout(self) -> float:
+        value = self.config.getoption("megatron_timeout")
+        return float(value if value is not None else self.config.getini("megatron_timeout"))
+
+    def preload(self) -> list[str]:
+        """megatron_preload, or the third-party modules the collected test modules imported."""
+        configured = self.config.getini("megatron_preload")
+        if configured:
+            return list(dict.fromkeys(BASE_PRELOAD + configured))
+        return list(dict.fromkeys(BASE_PRELOAD + _third_party_imports()))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def _third_party_imports() -> list[str]:
+    """Modules imported by loaded test modules that live in site-packages."""
+    found: set[str] = set()
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "")
+        if not name.rpartition(".")[2].startswith("test") and not name.endswith("_test"):
+            continue
+        for value in list(vars(module).values()):
+            source = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+            if isinstance(source, str) and _is_third_party(source):
+                found.add(source)
+    return sorted(found)
+
+
+def _is_third_party(module_name: str) -> bool:
+    if module_name.partition(".")[0] in NOT_PRELOADED:
+        return False
+    path = getattr(sys.modules.get(module_name), "__file__", None) or ""
+    return "site-packages" in path or "dist-packages" in path
+
+
+# -- collection -------------------------------------------------------------------------------
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker(markers.MARKER) is None:
+        return
+    runtime = metafunc.config.stash[RUNTIME]
+    markers.parametrize_sizes(metafunc, runtime.device_count)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    runtime = config.stash[RUNTIME]
+    for item in items:
+        if item.get_closest_marker(markers.MARKER) is None:
+            continue
+        size = markers.item_world_size(item, runtime.device_count)
+        item.stash[WORLD_SIZE] = size
+        if runtime.torchrun is not None:
+            if size != runtime.torchrun.world_size:
+                reason = f"needs world size {size}, torchrun started {runtime.torchrun.world_size}"
+                item.add_marker(pytest.mark.skip(reason=reason))
+            continue
+        if size > runtime.devices.count:
+            reason = f"needs {size} devices, {runtime.devices.count} available"
+            item.add_marker(pytest.mark.skip(reason=reason))
+        elif runs_on_ranks(item):
+            _move_xunit_to_ranks(item)
+
+
+def runs_on_ranks(item: pytest.Item) -> bool:
+    """A marked test whose body runs on the ranks (it does not request the `gang` fixture)."""
+    return (
+        WORLD_SIZE in item.stash
+        and isinstance(item, pytest.Function)
+        and "gang" not in item.fixturenames
+        and item.config.stash[RUNTIME].torchrun is None
+    )
+
+
+def _move_xunit_to_ranks(item: pytest.Item) -> None:
+    """setup/teardown_method and _class of the test's class run on the ranks, not here."""
+    prefixes = ("_xunit_setup_method_fixture_", "_xunit_setup_class_fixture_")
+    item.fixturenames[:] = [n for n in item.fixturenames if not n.startswith(prefixes)]
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator:
+    item.stash[NEXT_ITEM] = nextitem
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator:
+    runtime = item.config.stash[RUNTIME]
+    if runtime.torchrun is not None and WORLD_SIZE in item.stash:
+        runtime.torchrun.before_test(item.module.__name__)
+    result = yield
+    if runs_on_ranks(item):
+        item.stash[FIXTURE_BLOB] = _fixture_blob(item)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator:
+    result = yield
+    runtime = item.config.stash[RUNTIME]
+    if runtime.torchrun is not None and WORLD_SIZE in item.stash:
+        runtime.torchrun.after_test()
+    return result
+
+
+def _fixture_blob(item: pytest.Function) -> bytes:
+    values = {}
+    for name in item._fixtureinfo.argnames:
+        if name in NATIVE_FIXTURES:
+            continue
+        value = item.funcargs[name]
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            pytest.fail(
+                f"fixture {name!r} of {item.nodeid} cannot be sent to the ranks: it does not "
+                f"pickle ({type(exc).__name__}: {exc}). Create the value on the ranks instead: "
+                "build it in the test body or in a module-level helper the test calls (the "
+                "rank, world_size, local_rank and device fixtures are available there).",
+                pytrace=False,
+            )
+        values[name] = value
+    return pickle.dumps(values)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not runs_on_ranks(pyfuncitem):
+        return None
+    runtime = pyfuncitem.config.stash[RUNTIME]
+    timeout = pyfuncitem.stash.get(TIMEOUT, None) or _marker_timeout(pyfuncitem)
+    timeout = timeout or runtime.default_timeout()
+    gang = runtime.pool.acquire(pyfuncitem.stash[WORLD_SIZE], pyfuncitem.module.__name__, timeout)
+    results = gang.execute(_test_job(pyfuncitem), timeout)
+    pyfuncitem.stash[RESULTS] = results
+    verdict = reporting.merge(results)
+    if verdict.outcome == PASSED:
+        return True
+    if verdict.outcome == SKIPPED:
+        pytest.skip(verdict.message)
+    if verdict.outcome == XFAILED:
+        pytest.xfail(verdict.message)
+    raise RankFailures(verdict)
+
+
+def _test_job(item: pytest.Function) -> TestJob:
+    nextitem = item.stash.get(NEXT_ITEM, None)
+    same_class_next = (
+        nextitem is not None
+        and getattr(nextitem, "cls", None) is item.cls
+        and nextitem.stash.get(WORLD_SIZE, None) == item.stash[WORLD_SIZE]
+    )
+    config = item.config
+    return TestJob(
+        nodeid=item.nodeid,
+        module_name=item.module.__name__,
+        module_path=str(item.path),
+        sys_path=list(sys.path),
+        class_path=item.cls.__qualname__ if item.cls is not None else None,
+        function_name=item.originalname,
+        fixtures=item.stash[FIXTURE_BLOB],
+        native_names=tuple(n for n in item._fixtureinfo.argnames if n in NATIVE_FIXTURES),
+        tbstyle=config.getoption("tbstyle", "auto"),
+        showlocals=bool(config.getoption("showlocals", False)),
+        capture=config.getoption("capture", "fd") != "no",
+        teardown_class=item.cls is not None and not same_class_next,
+    )
+
+
+def _marker_timeout(item: pytest.Item) -> float | None:
+    marker = item.get_closest_marker("timeout")
+    if marker is None:
+        return None
+    value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    return float(value) if value else None
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout: for tests on gangs we own the timer (it dumps every rank's stack)."""
+    if not runs_on_ranks(item):
+        return None
+    item.stash[TIMEOUT] = float(settings.timeout)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if runs_on_ranks(item) else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator:
+    report = yield
+    results = item.stash.get(RESULTS, None)
+    if call.when != "call" or results is None:
+        return report
+    report.sections.extend(reporting.output_sections(results, "call"))
+    error = call.excinfo.value if call.excinfo is not None else None
+    path, lineno, _ = item.reportinfo()
+    location = (str(path), (lineno or 0) + 1)
+    if isinstance(error, RankFailures):
+        report.longrepr = RankFailuresRepr(error.verdict, results, location)
+    elif report.skipped and not hasattr(report, "wasxfail"):
+        report.longrepr = (*location, f"Skipped: {error.msg if error else ''}")
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    runtime = terminalreporter.config.stash.get(RUNTIME, None)
+    pool = runtime._pool if runtime is not None else None
+    if pool is not None and pool.notes:
+        terminalreporter.section("xdist-megatron")
+        for note in pool.notes:
+            terminalreporter.line(note)
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+def _driver_info(request: pytest.FixtureRequest) -> RankInfo:
+    runtime = request.config.stash[RUNTIME]
+    if runtime.torchrun is not None:
+        return runtime.torchrun.info
+    import torch
+
+    device = torch.device("cuda", 0) if runtime.devices.is_cuda else torch.device("cpu")
+    return RankInfo(0, 1, 0, device)
+
+
+@pytest.fixture
+def rank(request: pytest.FixtureRequest) -> int:
+    """This rank's global rank (0 in the driver)."""
+    return _driver_info(request).rank
+
+
+@pytest.fixture
+def world_size(request: pytest.FixtureRequest) -> int:
+    """Number of ranks in the test's gang (1 in the driver)."""
+    return _driver_info(request).world_size
+
+
+@pytest.fixture
+def local_rank(request: pytest.FixtureRequest) -> int:
+    """This rank's index on its host (0 in the driver)."""
+    return _driver_info(request).local_rank
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> Any:
+    """torch.device of this rank: its own GPU, or the CPU."""
+    return _driver_info(request).device
+
+
+class GangHandle:
+    """The `gang` fixture: call importable functions on every rank of the test's gang."""
+
+    def __init__(self, item: pytest.Item, world_size: int) -> None:
+        self._item = item
+        self.world_size = world_size
+        self._runtime: Runtime = item.config.stash[RUNTIME]
+        self._gang: Any = None
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """`fn(*args, **kwargs)` on every rank; the per-rank return values in rank order."""
+        if self._runtime.torchrun is not None:
+            return self._runtime.torchrun.run(fn, *args, **kwargs)
+        timeout = _marker_timeout(self._item) or self._runtime.default_timeout()
+        module = self._item.module.__name__
+        self._gang = self._runtime.pool.acquire(self.world_size, module, timeout)
+        return self._gang.run(fn, *args, **kwargs)
+
+    def finish(self) -> None:
+        """After the test: the per-job cleanup on each rank (a failure retires the gang)."""
+        gang, self._gang = self._gang, None
+        if gang is None or not gang.alive:
+            return
+        results = gang.execute(CleanupJob(), self._runtime.default_timeout())
+        failed = [r for r in results if r.outcome == FAILED]
+        if failed:
+            raise GangError(f"cleanup after the test failed on rank {failed[0].rank}: "
+                            f"{failed[0].message}\n{failed[0].longrepr}")
+
+
+@pytest.fixture
+def gang(request: pytest.FixtureRequest) -> Generator[GangHandle, None, None]:
+    """Run functions on the ranks of the test's gang from a test body that stays in the driver."""
+    size = request.node.stash.get(WORLD_SIZE, None)
+    if size is None:
+        pytest.fail("the gang fixture needs @pytest.mark.world_size(N) on the test", pytrace=False)
+    handle = GangHandle(request.node, size)
+    yield handle
+    handle.finish()
+

@@ -1,0 +1,131 @@
+"""The driver's gangs for the session: one per world size, one zygote, module-boundary resets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import IO
+
+from . import placement
+from .gang import Gang, GangError
+from .protocol import FAILED, ResetJob
+from .zygote_client import ZygoteClient
+
+RESET_TIMEOUT = 120.0
+SESSION_SCOPE, MODULE_SCOPE = "session", "module"
+
+
+class GangPool:
+    """Starts gangs on first use and keeps them for the session (or the module)."""
+
+    def __init__(
+        self,
+        devices: placement.DeviceSet,
+        backend: str | None,
+        preload: Callable[[], list[str]],
+        scope: str = SESSION_SCOPE,
+        quiet_zygote: bool = True,
+    ) -> None:
+        self.devices = devices
+        self.backend = backend
+        self.scope = scope
+        self.notes: list[str] = []  # things the terminal summary should say
+        self._preload = preload
+        self._quiet = quiet_zygote
+        self._gangs: dict[int, Gang] = {}
+        self._zygote: ZygoteClient | None = None
+        self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
+        self._log: IO[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def zygote_log(self) -> str:
+        return os.path.join(self._workdir, "zygote.log")
+
+    def acquire(self, size: int, module: str, timeout: float) -> Gang:
+        """A live gang of `size` ranks, reset to its start-up state if `module` is new to it."""
+        gang = self._gangs.get(size)
+        if gang is not None and gang.alive and gang.last_module not in (None, module):
+            gang = self._cross_module_boundary(gang, module)
+        if gang is None or not gang.alive:
+            gang = self._start(size)
+        gang.last_module = module
+        gang.timeout = timeout
+        return gang
+
+    def _cross_module_boundary(self, gang: Gang, module: str) -> Gang | None:
+        if self.scope == MODULE_SCOPE:
+            gang.close()
+            return None
+        results = gang.execute(ResetJob(), RESET_TIMEOUT)
+        failed = [r for r in results if r.outcome == FAILED]
+        if failed:
+            self.notes.append(
+                f"gang of {gang.world_size}: reset before {module} failed on rank "
+                f"{failed[0].rank} ({failed[0].message}); replaced it with a fresh gang"
+            )
+            return None
+        return gang
+
+    def _start(self, size: int) -> Gang:
+        block = placement.block_for(self.devices, size)
+        if block is None:
+            raise GangError(f"needs {size} devices, {self.devices.count} available")
+        gang = Gang(
+            size, self.devices, block, self.backend, zygote=self._live_zygote(), workdir=self._workdir
+        )
+        self._gangs[size] = gang
+        self.starts += 1
+        try:
+            return gang.start()
+        except GangError as exc:
+            raise GangError(f"{exc}\n{self._log_tail()}") from None
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.zygote_log, errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "rank output before the failure:\n" + "\n".join(tail) if tail else ""
+
+    def _live_zygote(self) -> ZygoteClient:
+        if self._zygote is not None and self._zygote.alive:
+            return self._zygote
+        if self._zygote is not None:
+            self.notes.append("the zygote died; started a new one")
+            self._zygote.close()
+        preload = self._preload()
+        while True:
+            zygote = ZygoteClient(preload, self._log_file())
+            poisoned = [m for m, why in zygote.preload_failures.items() if "CUDA" in why]
+            for module, why in zygote.preload_failures.items():
+                self.notes.append(f"megatron_preload: {module}: {why}")
+            if not poisoned:
+                break
+            zygote.close()
+            preload = [m for m in preload if m not in poisoned]
+        self._zygote = zygote
+        return zygote
+
+    def _log_file(self) -> IO[bytes] | None:
+        if not self._quiet:
+            return None
+        if self._log is None:
+            self._log = open(self.zygote_log, "ab")  # noqa: SIM115 - closed in close()
+        return self._log
+
+    def close(self) -> None:
+        """Shut every gang and the zygote down; nothing of ours outlives this."""
+        for gang in self._gangs.values():
+            gang.close()
+        self._gangs.clear()
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        shutil.rmtree(self._workdir, ignore_errors=True)

@@ -1,0 +1,169 @@
+"""The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
+
+Started by the driver as `python -m xdist_megatron.zygote FD PRELOAD_JSON`, with FD one end of a
+socket pair. It never initialises CUDA, so its forks can. Requests arrive on FD; the rank ends of
+the ranks' socket pairs arrive with a "fork" request as SCM_RIGHTS ancillary data. It reports each
+child's exit (code or signal) as soon as it reaps it, and kills every child when the driver goes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+
+# What every rank needs, imported once here instead of once per rank.
+BASE_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "pytest",
+    "_pytest._code",
+    "_pytest.assertion.rewrite",
+    "xdist_megatron.rank",
+    "xdist_megatron.state",
+    "xdist_megatron.importer",
+)
+
+
+def preload(modules: list[str]) -> dict[str, str]:
+    """Import each module; return {name: error} for those that failed or touched CUDA."""
+    failures: dict[str, str] = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # a broken optional package must not stop the zygote
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        if _cuda_initialized():
+            failures[name] = "initialised CUDA at import; forked ranks could not use the GPU"
+            break
+    return failures
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+class Zygote:
+    """The request loop: fork, signal and reap ranks on behalf of one driver."""
+
+    def __init__(self, fd: int) -> None:
+        self.conn = Connection(fd)
+        self.sock = socket.socket(fileno=os.dup(fd))
+        self.children: set[int] = set()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def serve(self) -> None:
+        while True:
+            ready = wait([self.conn, self.wake_r])
+            if self.wake_r in ready:
+                os.read(self.wake_r, 4096)
+            self._reap()
+            if self.conn in ready and not self._handle_request():
+                return
+
+    def _handle_request(self) -> bool:
+        try:
+            request = self.conn.recv()
+        except (EOFError, OSError):
+            self._kill_all(signal.SIGKILL)
+            return False
+        kind = request[0]
+        if kind == "fork":
+            self.conn.send(("forked", self._fork(request[1])))
+        elif kind == "signal":
+            _, pids, signum = request
+            for pid in pids:
+                if pid in self.children:
+                    os.kill(pid, signum)
+        elif kind == "exit":
+            self._kill_all(signal.SIGKILL)
+            return False
+        return True
+
+    def _fork(self, specs: list) -> list[int]:
+        _, fds, _, _ = socket.recv_fds(self.sock, 1, len(specs))
+        pids = []
+        for spec, fd in zip(specs, fds):
+            pid = os.fork()
+            if pid == 0:
+                self._become_rank(spec, fd)
+            os.close(fd)
+            self.children.add(pid)
+            pids.append(pid)
+        return pids
+
+    def _become_rank(self, spec, fd: int) -> None:
+        """In the child: drop the zygote's resources and run the rank; never returns."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for own in (self.wake_r, self.wake_w):
+                os.close(own)
+            self.sock.close()
+            self.conn.close()
+            from .rank import run_rank
+
+            code = run_rank(spec, fd)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            self.conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+
+    def _kill_all(self, signum: int) -> None:
+        for pid in list(self.children):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while self.children and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            self.children.discard(pid)
+
+
+def main(argv: list[str]) -> int:
+    fd = int(argv[1])
+    modules = list(BASE_PRELOAD) + [m for m in json.loads(argv[2]) if m not in BASE_PRELOAD]
+    os.environ["XDIST_MEGATRON_ZYGOTE"] = str(os.getpid())
+    failures = preload(modules)
+    zygote = Zygote(fd)
+    zygote.conn.send(("ready", failures, os.getpid()))
+    if any("CUDA" in reason for reason in failures.values()):
+        return 1
+    zygote.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,155 @@
+"""The driver's handle on its zygote: start it, ask it to fork or signal ranks, learn of exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import IO
+
+import xdist_megatron
+
+from .protocol import RankSpec
+
+ZYGOTE_START_TIMEOUT = 600.0  # importing megatron + TE cold can take minutes on a loaded CI host
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not be started or stopped answering."""
+
+
+class ZygoteClient:
+    """One zygote process, owned by one driver."""
+
+    def __init__(self, preload: list[str], log: IO[bytes] | None) -> None:
+        self.preload = preload
+        self.exits: dict[int, int] = {}
+        ours, theirs = socket.socketpair()
+        self._sock = ours
+        self.conn = Connection(os.dup(ours.fileno()))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "xdist_megatron.zygote", str(theirs.fileno()), json.dumps(preload)],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=_zygote_env(),
+            start_new_session=True,  # the terminal's Ctrl-C goes to the driver, not to the ranks
+        )
+        theirs.close()
+        self.pid = self.process.pid
+        self.preload_failures = self._await_ready()
+
+    def _await_ready(self) -> dict[str, str]:
+        message = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
+        _, failures, _ = message
+        return failures
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, specs: list[RankSpec], fds: list[int]) -> list[int]:
+        """Fork one rank per spec; `fds` are the ranks' ends of their socket pairs."""
+        self.conn.send(("fork", specs))
+        socket.send_fds(self._sock, [b"f"], fds)
+        _, pids = self._next_reply(60.0, "fork")
+        return pids
+
+    def signal(self, pids: list[int], signum: int) -> None:
+        """Signal ranks that are still the zygote's children (never a recycled pid)."""
+        live = [pid for pid in pids if pid not in self.exits]
+        if live and self.alive:
+            try:
+                self.conn.send(("signal", live, signum))
+            except OSError:
+                pass
+
+    def pump(self) -> None:
+        """Read every message waiting on the connection (exit notices)."""
+        while self.conn.poll():
+            self._read()
+
+    def exit_code(self, pid: int, timeout: float = 0.0) -> int | None:
+        """The rank's exit code (negative: killed by that signal), waiting up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.pump()
+            if pid in self.exits:
+                return self.exits[pid]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.alive:
+                return None
+            wait([self.conn], remaining)
+
+    def wait_exits(self, pids: list[int], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for pid in pids:
+            self.exit_code(pid, max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the zygote; it kills any rank still alive first."""
+        if self.alive:
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.conn.close()
+        self._sock.close()
+
+    def _next_reply(self, timeout: float, what: str) -> tuple:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ZygoteError(f"the zygote did not answer {what!r} within {timeout:.0f} s")
+            if not wait([self.conn], min(remaining, 1.0)):
+                if not self.alive:
+                    raise ZygoteError(
+                        f"the zygote exited with code {self.process.returncode} during {what!r}"
+                    )
+                continue
+            message = self._read()
+            if message[0] != "exited":
+                return message
+
+    def _read(self) -> tuple:
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.wait(5)
+            raise ZygoteError(f"the zygote exited with code {self.process.returncode}") from None
+        if message[0] == "exited":
+            self.exits[message[1]] = message[2]
+        return message
+
+
+def _zygote_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The zygote must import this package even when it is run from a source checkout.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(xdist_megatron.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def describe_exit(code: int | None) -> str:
+    """'exited with code 3' / 'was killed by signal SIGKILL (9)' / 'closed its connection'."""
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "signal"
+        return f"was killed by signal {name} ({-code})"
+    return f"exited with code {code}"
