@@ -7,6 +7,7 @@ the zygote); test modules are imported only when a job needs them.
 from __future__ import annotations
 
 import ctypes
+import gc
 import faulthandler
 import os
 import pickle
@@ -67,6 +68,7 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     from . import state
 
     startup = state.snapshot()
+    gc.freeze()  # start-up objects are permanent: keep the per-test gc.collect() cheap
     conn.send(Ready(spec.rank, os.getpid()))
     runner = _JobRunner(spec.rank, startup)
     while True:

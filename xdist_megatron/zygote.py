@@ -8,6 +8,7 @@ child's exit (code or signal) as soon as it reaps it, and kills every child when
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -157,6 +158,10 @@ def main(argv: list[str]) -> int:
     modules = list(BASE_PRELOAD) + [m for m in json.loads(argv[2]) if m not in BASE_PRELOAD]
     os.environ["XDIST_MEGATRON_ZYGOTE"] = str(os.getpid())
     failures = preload(modules)
+    # Everything imported so far lives as long as every rank: keep it out of every later
+    # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
+    gc.collect()
+    gc.freeze()
     zygote = Zygote(fd)
     zygote.conn.send(("ready", failures, os.getpid()))
     if any("CUDA" in reason for reason in failures.values()):

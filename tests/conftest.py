@@ -1,0 +1,64 @@
+"""Shared helpers: run pytest on generated suites in a subprocess and prove nothing is left over."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+TAG_VAR = "XDIST_MEGATRON_TEST_TAG"
+
+
+def processes_tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries `tag` (ranks and zygotes inherit it)."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def assert_no_processes_left(tag: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        left = processes_tagged(tag)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes left behind: {left}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def tag(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A unique tag in the environment of every process the test starts."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_VAR, value)
+    return value
+
+
+@pytest.fixture
+def run_pytest(pytester: pytest.Pytester, tag: str) -> Callable[..., pytest.RunResult]:
+    """Run pytest in a subprocess on the pytester folder; then assert no rank or zygote is left."""
+
+    def run(*args: str, timeout: float = 300) -> pytest.RunResult:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
+        assert_no_processes_left(tag)
+        return result
+
+    return run

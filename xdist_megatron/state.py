@@ -1,0 +1,427 @@
+"""Process-global state of a rank: cleanup after every job, snapshot/restore at module boundaries.
+
+A gang's ranks outlive the tests they run, so whatever a test leaves in process-global state
+(torch flags, RNG streams, environment variables, process groups, Megatron and Transformer Engine
+singletons) would leak into the next test. `cleanup_after_job` drops what no later test may inherit;
+`restore` puts back what the rank looked like right after it joined its gang.
+
+Optional packages (numpy, megatron.core, transformer_engine) are only acted on when a test already
+imported them: importing them here would cost seconds per rank. CUDA is only touched when this
+process already initialised it: ranks are forked, and initialising CUDA costs time and GPU memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StartupState:
+    """What a rank looked like right after it joined its gang; `restore` returns it there."""
+
+    settings: dict[str, Any]
+    environ: dict[str, str]
+    torch_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None  # None: CUDA was not initialised yet
+    cuda_seed: int  # the seed CUDA's generators start from when CUDA initialises later
+    python_rng: tuple[Any, ...]
+    numpy_rng: Any | None  # None: numpy.random was not imported yet
+
+
+def snapshot() -> StartupState:
+    """Record process-global state; called once on each rank right after init_process_group."""
+    numpy_random = sys.modules.get("numpy.random")
+    return StartupState(
+        settings=_read_settings(),
+        environ=dict(os.environ),
+        torch_rng=torch.get_rng_state(),
+        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        # torch.manual_seed also seeds CUDA lazily, so a later CUDA start uses this seed.
+        cuda_seed=torch.initial_seed(),
+        python_rng=random.getstate(),
+        numpy_rng=numpy_random.get_state() if numpy_random is not None else None,
+    )
+
+
+def restore(state: StartupState) -> None:
+    """Called at a module boundary on every rank (all ranks call it, same order): restore everything
+    recorded. Raises on failure (the caller then retires the gang)."""
+    # Nothing was initialised at start-up, so the library teardown is the whole restore for them.
+    _teardown_transformer_engine()
+    _teardown_megatron(keep_parallel_state=False)
+    _destroy_process_groups(keep=())
+    gc.collect()
+    _write_settings(state.settings)
+    _restore_rng(state)
+    _restore_environ(state.environ)
+
+
+def cleanup_after_job(keep_megatron: bool = False) -> None:
+    """Called on every rank after every job (all ranks call it collectively). An error here (e.g. a
+    sticky CUDA error surfacing from torch.cuda.synchronize) must propagate so the test that caused
+    it fails.
+
+    keep_megatron keeps megatron.core.parallel_state and its process groups, so that the next test
+    of the same Megatron layout can reuse them; every other singleton is still reset.
+    """
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
+    _teardown_transformer_engine()
+    _teardown_megatron(keep_parallel_state=keep_megatron)
+    _destroy_process_groups(keep=_megatron_process_groups() if keep_megatron else ())
+    gc.collect()  # finalizers of destroyed groups must run before the next job starts
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# --- torch settings ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """How to read one process-global torch setting and how to write it back."""
+
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+
+
+def _attribute(owner: object, name: str) -> _Setting:
+    return _Setting(lambda: getattr(owner, name), lambda value: setattr(owner, name, value))
+
+
+def _functions(owner: object, getter: str, setter: str) -> _Setting:
+    return _Setting(lambda: getattr(owner, getter)(), lambda value: getattr(owner, setter)(value))
+
+
+def _reduced_precision_reduction(dtype: str) -> _Setting:
+    """cuBLAS reduced-precision reduction, with its split-K switch where torch has one."""
+    name = f"allow_{dtype}_reduced_precision_reduction"
+    matmul = torch.backends.cuda.matmul
+
+    def get() -> Any:
+        allowed = getattr(matmul, name)
+        try:
+            return (allowed, getattr(matmul, f"{name}_split_k"))
+        except AttributeError:
+            return allowed
+
+    return _Setting(get, lambda value: setattr(matmul, name, value))
+
+
+# Parents first: setting ("generic", "all") or (backend, "all") overwrites the entries below it.
+_FP32_PRECISION_KEYS = (("generic", "all"),) + tuple(
+    (backend, op) for backend in ("cuda", "mkldnn") for op in ("all", "matmul", "conv", "rnn")
+)
+
+
+def _get_fp32_precision() -> dict[tuple[str, str], str]:
+    get = torch._C._get_fp32_precision_getter  # AttributeError before torch 2.9
+    values = {}
+    for key in _FP32_PRECISION_KEYS:
+        try:
+            values[key] = get(*key)
+        except RuntimeError:  # a (backend, op) pair this torch release does not know
+            continue
+    return values
+
+
+def _set_fp32_precision(values: dict[tuple[str, str], str]) -> None:
+    for (backend, op), precision in values.items():
+        torch._C._set_fp32_precision_setter(backend, op, precision)
+
+
+def _get_deterministic() -> tuple[bool, bool]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+def _set_deterministic(value: tuple[bool, bool]) -> None:
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(value[0], warn_only=value[1])
+    else:
+        # The public setter imports torch._inductor (seconds, hundreds of modules) only to copy
+        # the flag into its config; with inductor not loaded, the switch itself is all there is.
+        torch._C._set_deterministic_algorithms(value[0], warn_only=value[1])
+
+
+def _get_anomaly_mode() -> tuple[bool, bool]:
+    return torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+
+
+def _set_anomaly_mode(value: tuple[bool, bool]) -> None:
+    torch.autograd.set_detect_anomaly(value[0], check_nan=value[1])
+
+
+def _set_default_device(device: torch.device) -> None:
+    # A default device of "cpu" is torch's state without a device mode; installing one would tax
+    # every factory call.
+    torch.set_default_device(None if device.type == "cpu" else device)
+
+
+_cudnn = torch.backends.cudnn
+_cuda = torch.backends.cuda
+
+# Restored in this order. The legacy TF32 switches come before the fp32_precision API: writing a
+# legacy switch also rewrites fp32_precision entries, and torch >= 2.9 refuses legacy reads once the
+# two disagree, so the exact fp32_precision entries must be written last.
+_SETTINGS: dict[str, _Setting] = {
+    "cudnn.enabled": _attribute(_cudnn, "enabled"),
+    "cudnn.benchmark": _attribute(_cudnn, "benchmark"),
+    "cudnn.deterministic": _attribute(_cudnn, "deterministic"),
+    "cudnn.allow_tf32": _attribute(_cudnn, "allow_tf32"),
+    "cuda.matmul.allow_tf32": _attribute(_cuda.matmul, "allow_tf32"),
+    "float32_matmul_precision": _functions(
+        torch, "get_float32_matmul_precision", "set_float32_matmul_precision"
+    ),
+    "cuda.matmul.fp16_reduction": _reduced_precision_reduction("fp16"),
+    "cuda.matmul.bf16_reduction": _reduced_precision_reduction("bf16"),
+    "cuda.matmul.allow_fp16_accumulation": _attribute(_cuda.matmul, "allow_fp16_accumulation"),
+    "fp32_precision": _Setting(_get_fp32_precision, _set_fp32_precision),
+    "sdp.flash": _functions(_cuda, "flash_sdp_enabled", "enable_flash_sdp"),
+    "sdp.mem_efficient": _functions(_cuda, "mem_efficient_sdp_enabled", "enable_mem_efficient_sdp"),
+    "sdp.math": _functions(_cuda, "math_sdp_enabled", "enable_math_sdp"),
+    "sdp.cudnn": _functions(_cuda, "cudnn_sdp_enabled", "enable_cudnn_sdp"),
+    "deterministic_algorithms": _Setting(_get_deterministic, _set_deterministic),
+    "anomaly_mode": _Setting(_get_anomaly_mode, _set_anomaly_mode),
+    "default_dtype": _functions(torch, "get_default_dtype", "set_default_dtype"),
+    "default_device": _Setting(lambda: torch.get_default_device(), _set_default_device),
+    "grad_enabled": _functions(torch, "is_grad_enabled", "set_grad_enabled"),
+}
+
+
+def _read_settings() -> dict[str, Any]:
+    values = {}
+    for name, setting in _SETTINGS.items():
+        try:
+            values[name] = setting.get()
+        except (AttributeError, RuntimeError):
+            # Not in this torch release, or a legacy TF32 read that torch >= 2.9 refuses once the
+            # fp32_precision API was used: restore what can be read.
+            continue
+    return values
+
+
+def _write_settings(values: dict[str, Any]) -> None:
+    """Write back only what changed: a setter may cost more than a read."""
+    for name, value in values.items():
+        setting = _SETTINGS[name]
+        try:
+            changed = setting.get() != value
+        except RuntimeError:  # a legacy TF32 read refused: the switches disagree, so write
+            changed = True
+        if changed:
+            setting.set(value)
+
+
+# --- RNG and environment -------------------------------------------------------------------------
+
+
+def _restore_rng(state: StartupState) -> None:
+    torch.set_rng_state(state.torch_rng)
+    random.setstate(state.python_rng)
+    if torch.cuda.is_initialized():
+        if state.cuda_rng is None:
+            # CUDA started after the snapshot: back to the state of freshly started generators.
+            torch.cuda.manual_seed_all(state.cuda_seed)
+        else:
+            torch.cuda.set_rng_state_all(state.cuda_rng)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        if state.numpy_rng is None:
+            numpy_random.seed()  # imported after the snapshot: reseed from entropy, as on import
+        else:
+            numpy_random.set_state(state.numpy_rng)
+
+
+def _restore_environ(saved: dict[str, str]) -> None:
+    """Exact restore through os.environ, so the C-level environment (putenv) follows too."""
+    for key in [key for key in os.environ if key not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+# --- process groups ------------------------------------------------------------------------------
+
+
+def _destroy_process_groups(keep: Iterable[object]) -> None:
+    """Destroy every process group but the default one and those in `keep`.
+
+    Collective: a barrier first, so that no rank destroys a group another rank still uses, then
+    creation order, which is the same on every member of a group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    world = dist.distributed_c10d._world
+    kept = {id(group) for group in keep}
+    for group in [pg for pg in world.pg_map if pg is not world.default_pg and id(pg) not in kept]:
+        dist.destroy_process_group(group)
+
+
+def _process_groups_in(value: object) -> Iterator[object]:
+    if isinstance(value, dist.ProcessGroup):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _process_groups_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _process_groups_in(item)
+
+
+def _megatron_process_groups() -> list[object]:
+    """The process groups megatron.core.parallel_state holds (none if Megatron is not loaded)."""
+    parallel_state = sys.modules.get(_PARALLEL_STATE)
+    if parallel_state is None:
+        return []
+    return [group for value in vars(parallel_state).values() for group in _process_groups_in(value)]
+
+
+# --- Megatron ------------------------------------------------------------------------------------
+
+_PARALLEL_STATE = "megatron.core.parallel_state"
+_PARALLEL_STATE_RESETS = (
+    "destroy_model_parallel",
+    "destroy_global_memory_buffer",
+    "destroy_global_symmetric_memory_buffer",
+)
+# Globals destroy_model_parallel() leaves set: the data-parallel overrides win over the real values
+# in the next layout, the others keep stale ranks or groups.
+_PARALLEL_STATE_LEFTOVERS = (
+    "_MPU_DATA_PARALLEL_WORLD_SIZE",
+    "_MPU_DATA_PARALLEL_RANK",
+    "_EMBEDDING_GLOBAL_RANKS",
+    "_PIPELINE_GLOBAL_RANKS",
+    "_DATA_PARALLEL_GLOBAL_RANKS",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS",
+    "_EXPERT_MODEL_PARALLEL_RANKS",
+    "_MODEL_PARALLEL_GLOBAL_RANKS",
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_HYBRID_DP_CP_GROUPS",
+)
+_MEGATRON_RESETS = (
+    ("megatron.core.num_microbatches_calculator", "destroy_num_microbatches_calculator"),
+    ("megatron.core.rerun_state_machine", "destroy_rerun_state_machine"),
+    ("megatron.core.transformer.moe.moe_logging", "destroy_moe_metrics_tracker"),
+    ("megatron.core.transformer.moe.moe_logging", "destroy_moe_overload_factor_tracker"),
+    ("megatron.core.transformer.cuda_graphs", "delete_cuda_graphs"),
+)
+_MEGATRON_RNG_TRACKERS = (
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
+)
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _loaded_function(module_name: str, name: str) -> Callable[..., Any] | None:
+    """`name` from `module_name` if a test already imported that module; never imports it."""
+    return getattr(sys.modules.get(module_name), name, None)
+
+
+def _teardown_megatron(keep_parallel_state: bool) -> None:
+    """Reset Megatron's singletons; only modules already imported can hold any state."""
+    if "megatron.core" not in sys.modules:
+        return
+    if not keep_parallel_state:
+        _reset_parallel_state()
+    for module_name, name in _MEGATRON_RESETS:
+        reset = _loaded_function(module_name, name)
+        if reset is not None:
+            reset()
+    _clear_moe_aux_losses()
+    for module_name in _MEGATRON_RNG_TRACKERS:
+        _reset_rng_tracker(sys.modules.get(module_name))
+
+
+def _reset_parallel_state() -> None:
+    for name in _PARALLEL_STATE_RESETS:
+        reset = _loaded_function(_PARALLEL_STATE, name)
+        if reset is not None:
+            reset()
+    parallel_state = sys.modules.get(_PARALLEL_STATE)
+    for name in _PARALLEL_STATE_LEFTOVERS:
+        if hasattr(parallel_state, name):
+            pristine = {} if isinstance(getattr(parallel_state, name), dict) else None
+            setattr(parallel_state, name, pristine)
+
+
+def _clear_moe_aux_losses() -> None:
+    """Releases (before megatron-core 0.17) keep MoE aux losses, with their groups, in a dict."""
+    tracker = getattr(sys.modules.get(_MOE_UTILS), "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
+    if isinstance(tracker, dict):
+        tracker.clear()
+
+
+def _reset_rng_tracker(module: ModuleType | None) -> None:
+    initialize = getattr(module, "initialize_rng_tracker", None)
+    if initialize is None:
+        return
+    initialize(force_reset=True)
+    # force_reset installs a default tracker and marks it initialised, which would pin its class
+    # for the next test; start-up had none, so let the next caller choose again.
+    if hasattr(module, "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
+        module._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+# --- Transformer Engine --------------------------------------------------------------------------
+
+_TE_FP8_STATE_MODULES = (
+    "transformer_engine.pytorch.quantization",
+    "transformer_engine.pytorch.fp8",
+)
+_TE_ATTENTION_MODULES = (
+    "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention",
+    "transformer_engine.pytorch.attention",
+)
+# Before the process groups go: the symmetric-memory pool and EP buffers use their communicators.
+_TE_RESETS = (
+    ("transformer_engine.pytorch.ep", "ep_finalize"),
+    ("transformer_engine.pytorch.distributed", "release_symm_mem_pool"),
+    ("transformer_engine.pytorch.module.base", "destroy_ub"),
+)
+
+
+def _teardown_transformer_engine() -> None:
+    """Reset TE's global state. Each step is guarded: a half-broken TE (it raises RuntimeError or
+    FileNotFoundError, not ImportError) must not stop the rest of the cleanup."""
+    if "transformer_engine" not in sys.modules:
+        return
+    for action in _transformer_engine_resets():
+        try:
+            action()
+        except Exception as error:
+            warnings.warn(f"Transformer Engine reset failed: {error!r}", RuntimeWarning, 2)
+
+
+def _transformer_engine_resets() -> Iterator[Callable[[], object]]:
+    for module_name in _TE_FP8_STATE_MODULES:
+        manager = _loaded_function(module_name, "FP8GlobalStateManager")
+        if manager is not None:
+            yield manager.reset
+    for module_name, name in _TE_RESETS:
+        reset = _loaded_function(module_name, name)
+        if reset is not None:
+            yield reset
+    for module_name in _TE_ATTENTION_MODULES:
+        backends = getattr(sys.modules.get(module_name), "_attention_backends", None)
+        if isinstance(backends, dict):
+            # The cached backend choice depends on env vars and flags that restore may change.
+            yield lambda backends=backends: backends.update(backend_selection_requires_update=True)
