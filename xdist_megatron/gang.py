@@ -61,9 +61,7 @@ class Gang:
         self.devices = devices or detect_devices()
         self.block = block or placement.block_for(self.devices, world_size)
         if self.block is None:
-            raise GangError(
-                f"needs {world_size} devices, {self.devices.count} available"
-            )
+            raise GangError(f"needs {world_size} devices, {self.devices.count} available")
         self.backend = backend or default_backend(self.devices)
         self.timeout = timeout
         self._own_zygote = zygote is None
@@ -130,7 +128,7 @@ class Gang:
         )
 
     def _await_ready(self) -> None:
-        waiting = dict(zip(self._conns, range(self.world_size)))
+        waiting = dict(zip(self._conns, range(self.world_size), strict=True))
         deadline = time.monotonic() + START_TIMEOUT
         while waiting:
             remaining = deadline - time.monotonic()
@@ -239,7 +237,7 @@ class Gang:
 
     def _collect(self, timeout: float) -> list[RankResult]:
         results: dict[int, RankResult] = {}
-        waiting = dict(zip(self._conns, range(self.world_size)))
+        waiting = dict(zip(self._conns, range(self.world_size), strict=True))
         deadline = time.monotonic() + timeout
         grace_end = float("inf")
         while waiting:
@@ -292,7 +290,9 @@ class Gang:
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every given rank's Python stacks, through faulthandler (works inside a collective)."""
-        paths = {r: os.path.join(self._workdir, f"stacks-{self._store.port}-{r}.txt") for r in ranks}
+        paths = {
+            r: os.path.join(self._workdir, f"stacks-{self._store.port}-{r}.txt") for r in ranks
+        }
         self._zygote.signal([self.pids[r] for r in ranks], STACK_SIGNAL)
         deadline = time.monotonic() + STACK_WAIT
         sizes: dict[int, int] = {}

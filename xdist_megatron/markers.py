@@ -28,8 +28,7 @@ def declared_sizes(marker: Any, test_name: str) -> list[int | str]:
         valid = size == ALL or (type(size) is int and size > 0)
         if not valid:
             raise MarkerError(
-                f"{test_name}: @pytest.mark.world_size expects positive ints or 'all', "
-                f"got {size!r}"
+                f"{test_name}: @pytest.mark.world_size expects positive ints or 'all', got {size!r}"
             )
     return sizes
 

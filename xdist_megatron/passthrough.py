@@ -18,7 +18,9 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 def under_torchrun() -> bool:
     """True in a process started by torchrun (and not in one of our own ranks)."""
-    return all(v in os.environ for v in TORCHRUN_VARS) and "XDIST_MEGATRON_DEVICES" not in os.environ
+    return (
+        all(v in os.environ for v in TORCHRUN_VARS) and "XDIST_MEGATRON_DEVICES" not in os.environ
+    )
 
 
 def torchrun_rank_info() -> RankInfo | None:

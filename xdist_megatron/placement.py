@@ -61,8 +61,7 @@ def parse_devices(
     missing = [i for i in ids if i >= gpu_count]
     if missing:
         raise ValueError(
-            f"--megatron-devices {spec!r}: device {missing[0]} does not exist "
-            f"({gpu_count} visible)"
+            f"--megatron-devices {spec!r}: device {missing[0]} does not exist ({gpu_count} visible)"
         )
     return DeviceSet("cuda", ids, physical)
 
@@ -92,9 +91,7 @@ def _non_negative_int(text: str, spec: str) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise ValueError(
-            f"--megatron-devices {spec!r}: expected '0,1,2' or 'cpu:N'"
-        ) from None
+        raise ValueError(f"--megatron-devices {spec!r}: expected '0,1,2' or 'cpu:N'") from None
     if value < 0:
         raise ValueError(f"--megatron-devices {spec!r}: negative device {value}")
     return value

@@ -30,7 +30,9 @@ TIMEOUT = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("megatron", "xdist-megatron: distributed tests on persistent rank gangs")
+    group = parser.getgroup(
+        "megatron", "xdist-megatron: distributed tests on persistent rank gangs"
+    )
     group.addoption(
         "--megatron-timeout",
         type=float,
@@ -148,7 +150,11 @@ def _third_party_imports() -> list[str]:
         if not name.rpartition(".")[2].startswith("test") and not name.endswith("_test"):
             continue
         for value in list(vars(module).values()):
-            source = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+            source = (
+                value.__name__
+                if isinstance(value, type(sys))
+                else getattr(value, "__module__", None)
+            )
             if isinstance(source, str) and _is_third_party(source):
                 found.add(source)
     return sorted(found)
@@ -411,8 +417,10 @@ class GangHandle:
         results = gang.execute(CleanupJob(), self._runtime.default_timeout())
         failed = [r for r in results if r.outcome == FAILED]
         if failed:
-            raise GangError(f"cleanup after the test failed on rank {failed[0].rank}: "
-                            f"{failed[0].message}\n{failed[0].longrepr}")
+            raise GangError(
+                f"cleanup after the test failed on rank {failed[0].rank}: "
+                f"{failed[0].message}\n{failed[0].longrepr}"
+            )
 
 
 @pytest.fixture
@@ -424,4 +432,3 @@ def gang(request: pytest.FixtureRequest) -> Generator[GangHandle, None, None]:
     handle = GangHandle(request.node, size)
     yield handle
     handle.finish()
-

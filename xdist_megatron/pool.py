@@ -74,7 +74,12 @@ class GangPool:
         if block is None:
             raise GangError(f"needs {size} devices, {self.devices.count} available")
         gang = Gang(
-            size, self.devices, block, self.backend, zygote=self._live_zygote(), workdir=self._workdir
+            size,
+            self.devices,
+            block,
+            self.backend,
+            zygote=self._live_zygote(),
+            workdir=self._workdir,
         )
         self._gangs[size] = gang
         self.starts += 1

@@ -1,4 +1,4 @@
-"""The rank's side of a gang: join the process group, then run jobs from the driver until told to stop.
+"""The rank side of a gang: join the process group, then run the driver's jobs until told to stop.
 
 Runs in a process forked from the zygote. Imports here stay light (torch is already loaded by
 the zygote); test modules are imported only when a job needs them.
@@ -7,8 +7,8 @@ the zygote); test modules are imported only when a job needs them.
 from __future__ import annotations
 
 import ctypes
-import gc
 import faulthandler
+import gc
 import os
 import pickle
 import signal

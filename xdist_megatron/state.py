@@ -79,7 +79,7 @@ def cleanup_after_job(keep_megatron: bool = False) -> None:
         torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
     _teardown_transformer_engine()
     _teardown_megatron(keep_parallel_state=keep_megatron)
-    _destroy_process_groups(keep=_megatron_process_groups() if keep_megatron else ())
+    _destroy_process_groups(keep=())
     gc.collect()  # finalizers of destroyed groups must run before the next job starts
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -17,7 +17,10 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from multiprocessing.connection import Connection, wait
+
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 # What every rank needs, imported once here instead of once per rank.
 BASE_PRELOAD = (
@@ -33,7 +36,7 @@ BASE_PRELOAD = (
 
 
 def preload(modules: list[str]) -> dict[str, str]:
-    """Import each module; return {name: error} for those that failed or touched CUDA."""
+    """Import each module; return {name: error} for those that failed or made forking unsafe."""
     failures: dict[str, str] = {}
     for name in modules:
         try:
@@ -41,15 +44,25 @@ def preload(modules: list[str]) -> dict[str, str]:
         except BaseException as exc:  # a broken optional package must not stop the zygote
             failures[name] = f"{type(exc).__name__}: {exc}"
             continue
-        if _cuda_initialized():
+        if not _fork_keeps_cuda_usable():
             failures[name] = "initialised CUDA at import; forked ranks could not use the GPU"
             break
     return failures
 
 
-def _cuda_initialized() -> bool:
+def _fork_keeps_cuda_usable() -> bool:
+    """Whether a child forked now could still initialise CUDA (torch marks it a 'bad fork'
+    once the parent touched the CUDA driver, even through a mere device count)."""
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is None:
+        return True
+    if torch.cuda.is_initialized():
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 class Zygote:
@@ -95,7 +108,7 @@ class Zygote:
     def _fork(self, specs: list) -> list[int]:
         _, fds, _, _ = socket.recv_fds(self.sock, 1, len(specs))
         pids = []
-        for spec, fd in zip(specs, fds):
+        for spec, fd in zip(specs, fds, strict=True):
             pid = os.fork()
             if pid == 0:
                 self._become_rank(spec, fd)
@@ -157,6 +170,12 @@ def main(argv: list[str]) -> int:
     fd = int(argv[1])
     modules = list(BASE_PRELOAD) + [m for m in json.loads(argv[2]) if m not in BASE_PRELOAD]
     os.environ["XDIST_MEGATRON_ZYGOTE"] = str(os.getpid())
+    # torch.cuda.is_available() through NVML does not touch the CUDA driver, so a package
+    # that asks at import time leaves the zygote safe to fork.
+    os.environ.setdefault(NVML_CHECK, "1")
+    # Libraries may leave idle helper threads behind at import; only the forking thread
+    # continues in a rank, which is what a fork server relies on.
+    warnings.filterwarnings("ignore", ".*multi-threaded.*fork", DeprecationWarning)
     failures = preload(modules)
     # Everything imported so far lives as long as every rank: keep it out of every later
     # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.

@@ -33,7 +33,13 @@ class ZygoteClient:
         self._sock = ours
         self.conn = Connection(os.dup(ours.fileno()))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "xdist_megatron.zygote", str(theirs.fileno()), json.dumps(preload)],
+            [
+                sys.executable,
+                "-m",
+                "xdist_megatron.zygote",
+                str(theirs.fileno()),
+                json.dumps(preload),
+            ],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=log,

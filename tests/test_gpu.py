@@ -1,0 +1,45 @@
+"""GPU paths (NCCL, device pinning, sticky CUDA errors): run on a machine with GPUs, skipped on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
+
+SUITE = """
+import os, time
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.world_size(1, 2)
+def test_pinned_and_nccl(rank, world_size, local_rank, device):
+    assert device == torch.device("cuda", local_rank)
+    assert torch.cuda.current_device() == local_rank
+    assert torch.cuda.device_count() == world_size
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == os.environ["XDIST_MEGATRON_DEVICES"]
+    t = torch.full((1024,), rank + 1.0, device=device)
+    dist.all_reduce(t)
+    assert t[0].item() == world_size * (world_size + 1) / 2
+
+@pytest.mark.world_size(2)
+def test_device_side_assert(device):
+    index = torch.tensor([10], device=device)
+    torch.zeros(2, device=device)[index] = 1.0
+
+@pytest.mark.world_size(2)
+def test_after_the_sticky_error(rank, device):
+    t = torch.ones(4, device=device)
+    dist.all_reduce(t)
+    assert t.sum().item() == 8
+"""
+
+
+def test_nccl_pinning_and_sticky_cuda_error(pytester: pytest.Pytester, run_pytest) -> None:
+    """A device-side assert fails its own test; the next test passes on a fresh gang."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    pytester.makepyfile(test_gpu_suite=SUITE)
+    result = run_pytest("-v", "--megatron-timeout", "120")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*test_device_side_assert FAILED*", "*rank*"])
+    assert "CUDA" in result.stdout.str()
