@@ -28,6 +28,12 @@ class DeviceSet:
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
 
+    def lock_name(self, device: int) -> str:
+        """The name of a device's lock: the physical GPU, or the CPU slot."""
+        if not self.is_cuda:
+            return f"cpu-slot-{device}"
+        return f"cuda-{self.physical[device] if self.physical else device}"
+
     def visible_devices(self, block: tuple[int, ...]) -> str:
         """CUDA_VISIBLE_DEVICES for a gang on `block` ("" in CPU mode: ranks see no GPU)."""
         if not self.is_cuda:
@@ -95,3 +101,40 @@ def _non_negative_int(text: str, spec: str) -> int:
     if value < 0:
         raise ValueError(f"--megatron-devices {spec!r}: negative device {value}")
     return value
+
+
+def gang_slot(worker: int, size: int, count: int) -> int | None:
+    """Which aligned block of `size` devices worker `worker` uses: its own index when that block
+    fits, else its index modulo the number of blocks (None when no block of that size fits)."""
+    blocks = count // size if size > 0 else 0
+    if blocks == 0:
+        return None
+    return worker if worker < blocks else worker % blocks
+
+
+def worker_block(devices: DeviceSet, worker: int, size: int) -> tuple[int, ...] | None:
+    """The devices a gang of `size` ranks on worker `worker` runs on."""
+    slot = gang_slot(worker, size, devices.count)
+    return None if slot is None else block_for(devices, size, slot)
+
+
+def home_device(devices: DeviceSet, worker: int) -> int:
+    """The device a worker's unmarked tests run on."""
+    return devices.ids[worker % devices.count]
+
+
+def positions(devices: DeviceSet, worker: int, size: int | None) -> frozenset[int]:
+    """Devices an item occupies while it runs: its gang's block, or the home device (size None)."""
+    if size is None:
+        return frozenset({home_device(devices, worker)})
+    block = worker_block(devices, worker, size)
+    return frozenset(block or ())
+
+
+def to_dict(devices: DeviceSet) -> dict[str, object]:
+    """A DeviceSet as plain data, to hand from the xdist controller to its workers."""
+    return {"kind": devices.kind, "ids": list(devices.ids), "physical": list(devices.physical)}
+
+
+def from_dict(data: dict) -> DeviceSet:
+    return DeviceSet(data["kind"], tuple(data["ids"]), tuple(data["physical"]))

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
 
-from . import markers, passthrough, reporting
+from . import dist_mode, durations, markers, metadata, passthrough, placement, reporting
+from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
+    pytest_configure_node,
+    pytest_plugin_registered,
+    pytest_xdist_auto_num_workers,
+    pytest_xdist_make_scheduler,
+    pytest_xdist_setupnodes,
+)
 from .gang import GangError, default_backend, detect_devices
+from .locks import DeviceLocks
 from .placement import DeviceSet
 from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
 from .protocol import FAILED, PASSED, SKIPPED, XFAILED, CleanupJob, RankInfo, TestJob
 from .reporting import RankFailures, RankFailuresRepr
+from .scheduler import INPUT_KEY
 
 NATIVE_FIXTURES = ("rank", "world_size", "local_rank", "device")
 DEFAULT_TIMEOUT = 300.0
@@ -52,6 +65,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="torch.distributed backend of the gangs (default 'cpu:gloo,cuda:nccl' on GPUs, "
         "'gloo' on CPU).",
     )
+    group.addoption(
+        "--megatron-lock-dir",
+        default=None,
+        help="folder of the device locks; point several pytest sessions on one host at the same "
+        "folder to let them share its GPUs safely (default: one folder per session).",
+    )
+    dist_mode.add_dist_choice(parser)
     parser.addini("megatron_timeout", "default of --megatron-timeout", default=str(DEFAULT_TIMEOUT))
     parser.addini(
         "megatron_preload",
@@ -73,6 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
     )
     config.stash[RUNTIME] = Runtime(config)
+    if not hasattr(config, "workerinput"):  # the controller sees every report, workers need not
+        config.pluginmanager.register(
+            durations.DurationRecorder(config), "xdist-megatron-durations"
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -85,12 +109,21 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     session.config.stash[RUNTIME].close()
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if dist_mode.requested(config) and not config.getoption("tx", None):
+        return "xdist-megatron: --dist megatron without -n: marked tests run serially on gangs here"
+    return None
+
+
 class Runtime:
     """This process's plugin state: its devices and, once a marked test runs, its gangs."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.torchrun = passthrough.TorchrunRank() if passthrough.under_torchrun() else None
+        self.xdist: dict | None = getattr(config, "workerinput", {}).get(INPUT_KEY)
+        self.worker = self.xdist["worker"] if self.xdist else 0
+        self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
         scope = config.getini("megatron_gang_scope")
         if scope not in (SESSION_SCOPE, MODULE_SCOPE):
             raise pytest.UsageError(f"megatron_gang_scope must be session or module, got {scope!r}")
@@ -100,6 +133,8 @@ class Runtime:
 
     @property
     def devices(self) -> DeviceSet:
+        if self._devices is None and self.xdist:
+            self._devices = placement.from_dict(self.xdist["devices"])
         if self._devices is None:
             try:
                 self._devices = detect_devices(self.config.getoption("megatron_devices"))
@@ -114,16 +149,47 @@ class Runtime:
         return self.devices.count
 
     @property
+    def session_dir(self) -> str:
+        """Folder shared by the controller and its workers (created by the controller)."""
+        if self._session_dir is None:
+            self._session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
+            self._owns_session_dir = True
+        return self._session_dir
+
+    @property
+    def lock_dir(self) -> str:
+        chosen = self.config.getoption("megatron_lock_dir")
+        if chosen:
+            return os.path.abspath(chosen)
+        return self.xdist["lock_dir"] if self.xdist else os.path.join(self.session_dir, "locks")
+
+    @property
     def pool(self) -> GangPool:
         if self._pool is None:
             self._pool = GangPool(
                 self.devices,
                 self.config.getoption("megatron_backend") or default_backend(self.devices),
                 self.preload,
+                DeviceLocks(self.lock_dir),
+                self.worker,
                 self.scope,
                 quiet_zygote=self.config.getoption("capture") != "no",
             )
         return self._pool
+
+    def home_device_held(self) -> contextlib.AbstractContextManager:
+        """Under xdist, an unmarked test holds its worker's home device like a gang would."""
+        if not self.xdist:
+            return contextlib.nullcontext()
+        home = placement.home_device(self.devices, self.worker)
+        return DeviceLocks(self.lock_dir).hold([self.devices.lock_name(home)])
+
+    def trim_gangs(self, size: int) -> None:
+        """Shut down this worker's idle gangs of sizes the scheduler will not send it again."""
+        if self.xdist and self._pool is not None:
+            needed = metadata.sizes_still_needed(self.session_dir, self.worker)
+            if needed is not None:
+                self._pool.trim(needed | {size})
 
     def default_timeout(self) -> float:
         value = self.config.getoption("megatron_timeout")
@@ -140,6 +206,9 @@ class Runtime:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if getattr(self, "_owns_session_dir", False) and self._session_dir is not None:
+            shutil.rmtree(self._session_dir, ignore_errors=True)
+            self._session_dir = None
 
 
 def _third_party_imports() -> list[str]:
@@ -195,6 +264,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
         elif runs_on_ranks(item):
             _move_xunit_to_ranks(item)
+    if runtime.xdist:
+        _publish_items(config, items)
+
+
+def _publish_items(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tell the controller each item's module, world size and class (xdist sends ids only)."""
+    infos = {
+        item.nodeid: metadata.ItemInfo(
+            item.nodeid.split("::")[0],
+            item.stash.get(WORLD_SIZE, None),
+            getattr(getattr(item, "cls", None), "__qualname__", None),
+        )
+        for item in items
+    }
+    runtime = config.stash[RUNTIME]
+    metadata.write_items(runtime.session_dir, config.workerinput["workerid"], infos)
 
 
 def runs_on_ranks(item: pytest.Item) -> bool:
@@ -219,7 +304,10 @@ def _move_xunit_to_ranks(item: pytest.Item) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator:
     item.stash[NEXT_ITEM] = nextitem
-    return (yield)
+    if WORLD_SIZE in item.stash:
+        return (yield)
+    with item.config.stash[RUNTIME].home_device_held():
+        return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -269,8 +357,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     runtime = pyfuncitem.config.stash[RUNTIME]
     timeout = pyfuncitem.stash.get(TIMEOUT, None) or _marker_timeout(pyfuncitem)
     timeout = timeout or runtime.default_timeout()
-    gang = runtime.pool.acquire(pyfuncitem.stash[WORLD_SIZE], pyfuncitem.module.__name__, timeout)
-    results = gang.execute(_test_job(pyfuncitem), timeout)
+    size = pyfuncitem.stash[WORLD_SIZE]
+    runtime.trim_gangs(size)
+    results = runtime.pool.run(size, pyfuncitem.module.__name__, _test_job(pyfuncitem), timeout)
     pyfuncitem.stash[RESULTS] = results
     verdict = reporting.merge(results)
     if verdict.outcome == PASSED:
@@ -406,15 +495,18 @@ class GangHandle:
             return self._runtime.torchrun.run(fn, *args, **kwargs)
         timeout = _marker_timeout(self._item) or self._runtime.default_timeout()
         module = self._item.module.__name__
-        self._gang = self._runtime.pool.acquire(self.world_size, module, timeout)
-        return self._gang.run(fn, *args, **kwargs)
+        pool = self._runtime.pool
+        with pool.devices_held(self.world_size):
+            self._gang = pool.acquire(self.world_size, module, timeout)
+            return self._gang.run(fn, *args, **kwargs)
 
     def finish(self) -> None:
         """After the test: the per-job cleanup on each rank (a failure retires the gang)."""
         gang, self._gang = self._gang, None
         if gang is None or not gang.alive:
             return
-        results = gang.execute(CleanupJob(), self._runtime.default_timeout())
+        with self._runtime.pool.devices_held(self.world_size):
+            results = gang.execute(CleanupJob(), self._runtime.default_timeout())
         failed = [r for r in results if r.outcome == FAILED]
         if failed:
             raise GangError(

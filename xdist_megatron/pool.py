@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import IO
 
 from . import placement
 from .gang import Gang, GangError
-from .protocol import FAILED, ResetJob
+from .locks import DeviceLocks
+from .protocol import FAILED, Job, RankResult, ResetJob
 from .zygote_client import ZygoteClient
 
 RESET_TIMEOUT = 120.0
@@ -25,10 +27,14 @@ class GangPool:
         devices: placement.DeviceSet,
         backend: str | None,
         preload: Callable[[], list[str]],
+        locks: DeviceLocks,
+        worker: int = 0,
         scope: str = SESSION_SCOPE,
         quiet_zygote: bool = True,
     ) -> None:
         self.devices = devices
+        self.locks = locks
+        self.worker = worker
         self.backend = backend
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
@@ -43,6 +49,29 @@ class GangPool:
     @property
     def zygote_log(self) -> str:
         return os.path.join(self._workdir, "zygote.log")
+
+    def block(self, size: int) -> tuple[int, ...]:
+        """This worker's devices for a gang of `size` ranks."""
+        block = placement.worker_block(self.devices, self.worker, size)
+        if block is None:
+            raise GangError(f"needs {size} devices, {self.devices.count} available")
+        return block
+
+    @contextmanager
+    def devices_held(self, size: int) -> Iterator[None]:
+        """Hold the device locks of the gang of `size` ranks while a job runs on it."""
+        with self.locks.hold([self.devices.lock_name(d) for d in self.block(size)]):
+            yield
+
+    def run(self, size: int, module: str, job: Job, timeout: float) -> list[RankResult]:
+        """Run `job` on the gang of `size` ranks, holding its devices."""
+        with self.devices_held(size):
+            return self.acquire(size, module, timeout).execute(job, timeout)
+
+    def trim(self, keep: set[int]) -> None:
+        """Shut down gangs of sizes this worker will not run again: they hold device memory."""
+        for size in [s for s in self._gangs if s not in keep]:
+            self._gangs.pop(size).close()
 
     def acquire(self, size: int, module: str, timeout: float) -> Gang:
         """A live gang of `size` ranks, reset to its start-up state if `module` is new to it."""
@@ -70,9 +99,7 @@ class GangPool:
         return gang
 
     def _start(self, size: int) -> Gang:
-        block = placement.block_for(self.devices, size)
-        if block is None:
-            raise GangError(f"needs {size} devices, {self.devices.count} available")
+        block = self.block(size)
         gang = Gang(
             size,
             self.devices,

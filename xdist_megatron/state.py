@@ -34,7 +34,7 @@ class StartupState:
     environ: dict[str, str]
     torch_rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None  # None: CUDA was not initialised yet
-    cuda_seed: int  # the seed CUDA's generators start from when CUDA initialises later
+    cuda_seed: int  # the seed CUDA's generators take if CUDA starts after the snapshot
     python_rng: tuple[Any, ...]
     numpy_rng: Any | None  # None: numpy.random was not imported yet
 
@@ -47,7 +47,8 @@ def snapshot() -> StartupState:
         environ=dict(os.environ),
         torch_rng=torch.get_rng_state(),
         cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-        # torch.manual_seed also seeds CUDA lazily, so a later CUDA start uses this seed.
+        # What torch.manual_seed queued for CUDA before it starts (unseeded, CPU and CUDA each
+        # draw an arbitrary seed, so this one serves as well).
         cuda_seed=torch.initial_seed(),
         python_rng=random.getstate(),
         numpy_rng=numpy_random.get_state() if numpy_random is not None else None,
@@ -79,7 +80,7 @@ def cleanup_after_job(keep_megatron: bool = False) -> None:
         torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
     _teardown_transformer_engine()
     _teardown_megatron(keep_parallel_state=keep_megatron)
-    _destroy_process_groups(keep=())
+    _destroy_process_groups(keep=_megatron_process_groups() if keep_megatron else ())
     gc.collect()  # finalizers of destroyed groups must run before the next job starts
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -234,7 +235,7 @@ def _restore_rng(state: StartupState) -> None:
     random.setstate(state.python_rng)
     if torch.cuda.is_initialized():
         if state.cuda_rng is None:
-            # CUDA started after the snapshot: back to the state of freshly started generators.
+            # CUDA started after the snapshot: back to freshly started generators.
             torch.cuda.manual_seed_all(state.cuda_seed)
         else:
             torch.cuda.set_rng_state_all(state.cuda_rng)
@@ -364,7 +365,7 @@ def _reset_parallel_state() -> None:
 
 
 def _clear_moe_aux_losses() -> None:
-    """Releases (before megatron-core 0.17) keep MoE aux losses, with their groups, in a dict."""
+    """megatron-core 0.16 keeps MoE aux losses (tensors and their groups) in a module-level dict."""
     tracker = getattr(sys.modules.get(_MOE_UTILS), "_MOE_LAYER_WISE_LOGGING_TRACKER", None)
     if isinstance(tracker, dict):
         tracker.clear()

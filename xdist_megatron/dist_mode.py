@@ -1,0 +1,107 @@
+"""pytest-xdist integration: `--dist megatron`, `-n auto`, per-worker devices, the side channel.
+
+Loaded with the plugin (entry point or `-p xdist_megatron.plugin`), never from a conftest: xdist's
+`--dist` choices must be extended before the command line is parsed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from . import durations, metadata, placement
+from .scheduler import INPUT_KEY
+
+DIST_MODE = "megatron"
+WORKER_ENV = "XDIST_MEGATRON_WORKER"
+
+_parser: pytest.Parser | None = None
+
+
+def add_dist_choice(parser: pytest.Parser) -> None:
+    """Add `megatron` to xdist's `--dist` choices, whichever of the two plugins loaded first."""
+    global _parser
+    _parser = parser
+    for group in parser._groups:
+        for option in group.options:
+            if "--dist" in option.names():
+                choices = option.attrs().get("choices")
+                if choices is not None and DIST_MODE not in choices:
+                    choices.append(DIST_MODE)
+
+
+def pytest_plugin_registered(plugin: Any, plugin_name: str, manager: Any) -> None:
+    if _parser is not None and getattr(plugin, "__name__", None) == "xdist.plugin":
+        add_dist_choice(_parser)
+
+
+def requested(config: pytest.Config) -> bool:
+    return config.getoption("dist", "no") == DIST_MODE
+
+
+def is_controller(config: pytest.Config) -> bool:
+    return bool(config.getoption("tx", None)) and not hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core in CPU mode."""
+    if not requested(config):
+        return None
+    from .plugin import RUNTIME
+
+    devices = config.stash[RUNTIME].devices
+    return devices.count if devices.is_cuda else os.cpu_count() or 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
+    """Give worker j its index and, on GPUs, its home device before it imports anything.
+
+    The environment goes into the spec string so that a replacement worker (xdist clones the
+    spec of a crashed one) inherits the same index and devices."""
+    import execnet
+
+    from .plugin import RUNTIME
+
+    devices = config.stash[RUNTIME].devices
+    for index, spec in enumerate(specs):
+        env = f"//env:{WORKER_ENV}={index}"
+        if devices.is_cuda:
+            home = placement.home_device(devices, index)
+            env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
+        specs[index] = execnet.XSpec(f"{spec}{env}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    from .plugin import RUNTIME
+
+    runtime = node.config.stash[RUNTIME]
+    node.workerinput[INPUT_KEY] = {
+        "worker": int(node.gateway.spec.env.get(WORKER_ENV, 0)),
+        "devices": placement.to_dict(runtime.devices),
+        "session_dir": runtime.session_dir,
+        "lock_dir": runtime.lock_dir,
+    }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if not requested(config):
+        return None
+    from .plugin import RUNTIME
+    from .scheduler import MegatronScheduling
+
+    runtime = config.stash[RUNTIME]
+    return MegatronScheduling(
+        config,
+        runtime.devices,
+        worker_count=len(config.getoption("tx")),
+        item_info=lambda: metadata.read_items(runtime.session_dir),
+        durations=durations.load(config),
+        session_dir=runtime.session_dir,
+        log=log,
+    )

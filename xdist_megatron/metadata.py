@@ -1,0 +1,65 @@
+"""The side channel between xdist workers and the controller, through files in a session folder.
+
+xdist hands the scheduler node ids only; the workers write each item's module, world size and
+class after collection, and the controller writes which world sizes are still to come so that a
+worker can shut down gangs it will not use again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ITEMS_SUFFIX = ".items.json"
+PLAN_FILE = "plan.json"
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """What the scheduler needs to know of one collected test."""
+
+    module: str
+    size: int | None  # gang size; None for an unmarked test
+    cls: str | None
+
+
+def write_items(folder: str, worker: str, items: dict[str, ItemInfo]) -> None:
+    data = {nodeid: [i.module, i.size, i.cls] for nodeid, i in items.items()}
+    _write_json(Path(folder) / f"{worker}{ITEMS_SUFFIX}", data)
+
+
+def read_items(folder: str) -> dict[str, ItemInfo]:
+    """Every worker's item facts merged (all workers collect the same tests)."""
+    items: dict[str, ItemInfo] = {}
+    for path in sorted(Path(folder).glob(f"*{ITEMS_SUFFIX}")):
+        for nodeid, (module, size, cls) in json.loads(path.read_text()).items():
+            items.setdefault(nodeid, ItemInfo(module, size, cls))
+    return items
+
+
+def write_plan(folder: str, unassigned: set[int], pending: dict[int, set[int]]) -> None:
+    data = {
+        "unassigned": sorted(unassigned),
+        "pending": {str(w): sorted(s) for w, s in pending.items()},
+    }
+    _write_json(Path(folder) / PLAN_FILE, data)
+
+
+def sizes_still_needed(folder: str, worker: int) -> set[int] | None:
+    """World sizes this worker may still run (None when no plan has been written)."""
+    try:
+        data = json.loads((Path(folder) / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return set(data["unassigned"]) | set(data["pending"].get(str(worker), []))
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Write atomically: readers see the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

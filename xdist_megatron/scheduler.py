@@ -1,0 +1,217 @@
+"""`--dist megatron`: xdist scheduling of (module, world size) units onto exclusive device blocks.
+
+Units are all tests of one module with one world size (unmarked tests: one unit per module, on
+the worker's home device). The largest sizes go first, then the longest known durations; a worker
+gets a unit only when the unit's devices are free of every other worker's pending work, so gangs
+on disjoint devices run at once. Device locks in the workers keep this safe even when the
+scheduler has to break a wait (see `_unblock`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from . import metadata, placement
+from .metadata import ItemInfo
+
+INPUT_KEY = "xdist_megatron"  # the workerinput key that dist_mode fills
+
+
+@dataclass
+class Unit:
+    """Tests of one module and one world size, sent to one worker together."""
+
+    module: str
+    size: int | None  # None: unmarked tests, run in the worker itself
+    nodeids: list[str] = field(default_factory=list)
+    duration: float = 0.0
+
+    def priority(self) -> tuple:
+        return (-(self.size or 1), -self.duration, self.module)
+
+
+class MegatronScheduling:
+    """xdist's Scheduling protocol over `placement`'s pure device functions."""
+
+    def __init__(
+        self,
+        config: pytest.Config,
+        devices: placement.DeviceSet,
+        worker_count: int,
+        item_info: Any,  # Callable[[], dict[str, ItemInfo]], read once collection is done
+        durations: dict[str, float],
+        session_dir: str,
+        log: Any = None,
+    ) -> None:
+        self.config = config
+        self.devices = devices
+        self.worker_count = worker_count
+        self._item_info = item_info
+        self._durations = durations
+        self.log = log
+        self.session_dir = session_dir
+        self.collections: dict[Any, list[str]] = {}
+        self.pending: dict[Any, list[int]] = {}
+        self.queue: list[Unit] = []
+        self.collection: list[str] | None = None
+        self.infos: dict[str, ItemInfo] = {}
+        self.index_of: dict[str, int] = {}
+
+    # -- the protocol -----------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[Any]:
+        return list(self.pending)
+
+    @property
+    def collection_is_completed(self) -> bool:
+        return self.collection is not None or len(self.collections) >= self.worker_count
+
+    @property
+    def tests_finished(self) -> bool:
+        if not self.collection_is_completed or self.queue:
+            return False
+        return all(len(p) < 2 for p in self.pending.values())
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.queue) or any(self.pending.values())
+
+    def add_node(self, node: Any) -> None:
+        assert node not in self.pending
+        self.pending[node] = []
+
+    def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
+        if self.collection is not None and list(collection) != self.collection:
+            self._log(f"{node.gateway.id} collected different tests; it gets no work")
+            return
+        self.collections[node] = list(collection)
+
+    def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+        self.pending[node].remove(item_index)
+        self._fill()
+
+    def mark_test_pending(self, item: str) -> None:
+        raise NotImplementedError("--dist megatron does not steal work")
+
+    def remove_pending_tests_from_node(self, node: Any, indices: Sequence[int]) -> None:
+        raise NotImplementedError("--dist megatron does not steal work")
+
+    def remove_node(self, node: Any) -> str | None:
+        """A worker left: its running test is the crash item, the rest of its work is requeued."""
+        pending = self.pending.pop(node)
+        if not pending or self.collection is None:
+            return None
+        crashed, *rest = (self.collection[i] for i in pending)
+        self._enqueue(rest)
+        self._fill()
+        return crashed
+
+    def schedule(self) -> None:
+        assert self.collection_is_completed
+        if self.collection is None:
+            collections = [c for n, c in self.collections.items() if n in self.pending]
+            self.collection = collections[0] if collections else []
+            self.index_of = {nodeid: i for i, nodeid in enumerate(self.collection)}
+            self.infos = self._item_info()
+            self._enqueue(self.collection)
+        self._fill()
+
+    # -- placement --------------------------------------------------------------------------
+
+    def _enqueue(self, nodeids: Sequence[str]) -> None:
+        units: dict[tuple[str, int | None], Unit] = {}
+        for nodeid in nodeids:
+            info = self._info(nodeid)
+            unit = units.setdefault((info.module, info.size), Unit(info.module, info.size))
+            unit.nodeids.append(nodeid)
+            unit.duration += self._durations.get(nodeid, self._default_duration())
+        self.queue.extend(units.values())
+        self.queue.sort(key=Unit.priority)
+
+    def _info(self, nodeid: str) -> ItemInfo:
+        return self.infos.get(nodeid) or ItemInfo(nodeid.split("::")[0], None, None)
+
+    def _default_duration(self) -> float:
+        known = sorted(self._durations.values())
+        return known[len(known) // 2] if known else 1.0
+
+    def _fill(self) -> None:
+        """Give work to every worker that has fewer than two pending tests, where devices allow."""
+        if self.collection is None:
+            return
+        progress = True
+        while self.queue and progress:
+            progress = False
+            for node in self._workers():
+                if len(self.pending[node]) < 2 and self._assign_fitting(node):
+                    progress = True
+        if self.queue:
+            self._unblock()
+        else:
+            for node in self._workers():
+                node.shutdown()
+        self._publish_plan()
+
+    def _publish_plan(self) -> None:
+        """Tell the workers which gang sizes they may still need (the rest they shut down)."""
+        pending = {
+            self._worker_index(node): {self._info(self.collection[i]).size or 0 for i in indices}
+            for node, indices in self.pending.items()
+        }
+        unassigned = {unit.size or 0 for unit in self.queue}
+        metadata.write_plan(self.session_dir, unassigned, pending)
+
+    def _workers(self) -> list[Any]:
+        live = [n for n in self.pending if n in self.collections and not n.shutting_down]
+        return sorted(live, key=self._worker_index)
+
+    def _worker_index(self, node: Any) -> int:
+        return int(node.workerinput[INPUT_KEY]["worker"])
+
+    def _assign_fitting(self, node: Any) -> bool:
+        busy = self._occupied(exclude=node)
+        worker = self._worker_index(node)
+        for unit in self.queue:
+            if not busy & placement.positions(self.devices, worker, unit.size):
+                self._send(node, unit)
+                return True
+        return False
+
+    def _unblock(self) -> None:
+        """Every worker waits with at most its held-back test and nothing fits beside the others'
+        held-back tests: xdist runs a worker's last test only once more work (or shutdown)
+        arrives, so waiting longer would wait forever. Give the first unit to the first idle
+        worker; its device locks make it wait for any device a held-back test is then using."""
+        workers = self._workers()
+        if not workers or any(len(self.pending[n]) >= 2 for n in workers):
+            return
+        idle = [n for n in workers if not self.pending[n]] or workers
+        self._send(idle[0], self.queue[0])
+
+    def _occupied(self, exclude: Any) -> frozenset[int]:
+        devices: set[int] = set()
+        for node, indices in self.pending.items():
+            if node is exclude or not indices:
+                continue
+            worker = self._worker_index(node)
+            for index in indices:
+                devices |= placement.positions(
+                    self.devices, worker, self._info(self.collection[index]).size
+                )
+        return frozenset(devices)
+
+    def _send(self, node: Any, unit: Unit) -> None:
+        self.queue.remove(unit)
+        indices = [self.index_of[nodeid] for nodeid in unit.nodeids]
+        self.pending[node].extend(indices)
+        node.send_runtest_some(indices)
+        self._log(f"{node.gateway.id}: {unit.module} ws{unit.size} x{len(indices)}")
+
+    def _log(self, message: str) -> None:
+        if self.log is not None:
+            self.log(message)
