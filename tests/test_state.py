@@ -108,12 +108,7 @@ def _megatron() -> ModuleType | None:
     return parallel_state
 
 
-@pytest.fixture
-def megatron() -> ModuleType:
-    parallel_state = _megatron()
-    if parallel_state is None:
-        pytest.skip("megatron-core is not installed")
-    return parallel_state
+needs_megatron = pytest.mark.skipif("_megatron() is None", reason="needs megatron-core")
 
 
 @cache
@@ -229,9 +224,8 @@ def _megatron_teardown(rank: int) -> None:
     assert not torch.cuda.is_initialized()
 
 
-def test_cleanup_after_job_and_restore_tear_down_megatron(
-    tmp_path: Path, megatron: ModuleType
-) -> None:
+@needs_megatron
+def test_cleanup_after_job_and_restore_tear_down_megatron(tmp_path: Path) -> None:
     _run_ranks(tmp_path, _megatron_teardown)
 
 
@@ -244,19 +238,24 @@ def _keep_megatron_layout(rank: int) -> None:
 
     state.cleanup_after_job(keep_megatron=True)
 
+    groups = dist.distributed_c10d._world.pg_map
     assert ps.model_parallel_is_initialized()
-    assert leaked not in dist.distributed_c10d._world.pg_map
-    assert _all_reduce_sum(ps.get_tensor_model_parallel_group()) == 2
-    assert _all_reduce_sum(ps.get_data_parallel_group_gloo()) == 1
+    assert leaked not in groups
+    tensor_parallel, data_parallel = (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group_gloo(),
+    )
+    assert tensor_parallel in groups and data_parallel in groups
+    assert _all_reduce_sum(tensor_parallel) == 2
+    assert _all_reduce_sum(data_parallel) == 1
     assert num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None
 
     state.cleanup_after_job()
     _assert_megatron_clean()
 
 
-def test_cleanup_after_job_can_keep_the_megatron_layout(
-    tmp_path: Path, megatron: ModuleType
-) -> None:
+@needs_megatron
+def test_cleanup_after_job_can_keep_the_megatron_layout(tmp_path: Path) -> None:
     _run_ranks(tmp_path, _keep_megatron_layout)
 
 
@@ -403,10 +402,11 @@ def test_cleanup_after_job_raises_an_asynchronous_cuda_error(tmp_path: Path) -> 
 
 
 def _cuda_rng_restored(rank: int) -> None:
+    torch.manual_seed(1000 + rank)  # the rank's start-up seed, queued for CUDA until it starts
     startup = state.snapshot()
     assert startup.cuda_rng is None  # CUDA not initialised yet
     fresh = torch.cuda.get_rng_state()  # initialises CUDA: its generators' first state
-    torch.cuda.manual_seed(rank + 7)
+    torch.cuda.manual_seed(7)
     torch.rand(4, device="cuda")
     state.cleanup_after_job()
     state.restore(startup)
