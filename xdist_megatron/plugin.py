@@ -359,7 +359,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     timeout = timeout or runtime.default_timeout()
     size = pyfuncitem.stash[WORLD_SIZE]
     runtime.trim_gangs(size)
-    results = runtime.pool.run(size, pyfuncitem.module.__name__, _test_job(pyfuncitem), timeout)
+    try:
+        results = runtime.pool.run(size, pyfuncitem.module.__name__, _test_job(pyfuncitem), timeout)
+    except GangError as exc:  # the gang could not start: say why, without our own frames
+        pytest.fail(str(exc), pytrace=False)
     pyfuncitem.stash[RESULTS] = results
     verdict = reporting.merge(results)
     if verdict.outcome == PASSED:
