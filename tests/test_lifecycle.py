@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 FACTS_MODULE = """
-import json, os, time
+import json, os
 
 def record(name, **values):
-    values.update(pid=os.getpid(), ppid=os.getppid(), time=time.time())
+    values.update(pid=os.getpid(), ppid=os.getppid())
     with open(os.path.join(os.environ["FACTS_DIR"], name + ".jsonl"), "a") as f:
         f.write(json.dumps(values) + "\\n")
 """
@@ -58,15 +58,15 @@ def call_durations(result: pytest.RunResult) -> dict[str, float]:
     return found
 
 
-def line_of(source: str, marker: str) -> int:
+def line_of(path: Path, marker: str) -> int:
     """1-based line number of the line holding `marker` in a generated module."""
-    return next(i for i, line in enumerate(source.splitlines(), 1) if marker in line)
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
 
 
 DURATIONS = ("--durations=0", "--durations-min=0")
 
 DEATHS = """
-import os, signal
+import os, signal, time
 import pytest
 import torch.distributed as dist
 from facts import record
@@ -86,6 +86,12 @@ def test_after_exit(rank):
     record("after_exit", rank=rank)
 
 @pytest.mark.world_size(2)
+def test_exit_while_peer_sleeps(rank):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(60)
+
+@pytest.mark.world_size(2)
 def test_sigkill(rank):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -99,23 +105,32 @@ def test_after_sigkill(rank):
 
 def test_dead_rank_is_reported_fast_and_replaced(pytester, run_pytest, facts):
     """A rank that exits or is killed fails its test within ~2 s with its exit code or signal,
-    and the next test of that size runs on a fresh gang."""
+    also when its peer is not in a collective that would notice; the next test of that size
+    runs on a fresh gang."""
     pytester.makepyfile(test_deaths=DEATHS)
-    result = run_pytest("--megatron-timeout", "10", *DURATIONS)
-    result.assert_outcomes(passed=3, failed=2)
+    result = run_pytest("--megatron-timeout", "20", "-vv", *DURATIONS)
+    result.assert_outcomes(passed=3, failed=3)
     result.stdout.fnmatch_lines(
         [
             "*_ test_exit _*",
             "*- rank 1 -*",
             "rank 1 exited with code 3",
+            "*_ test_exit_while_peer_sleeps _*",
+            "*- rank 0 -*",
+            "Python stacks of rank 0:",
+            "*- rank 1 -*",
+            "rank 1 exited with code 3",
             "*_ test_sigkill _*",
             "*- rank 1 -*",
             "rank 1 was killed by signal SIGKILL (9)",
+            "*::test_exit_while_peer_sleeps - * rank 0 was still running 2 s after rank 1 failed",
         ]
     )
     durations = call_durations(result)
     assert durations["test_exit"] < 3.0, durations
     assert durations["test_sigkill"] < 3.0, durations
+    # Noticing the death (<= 2 s) + the grace its peer gets (2 s) + collecting its stack.
+    assert durations["test_exit_while_peer_sleeps"] < 6.0, durations
     gangs = [facts.pids(name) for name in ("warm", "after_exit", "after_sigkill")]
     assert [len(pids) for pids in gangs] == [2, 2, 2]
     assert len(set.union(*gangs)) == 6, f"a gang was reused after a death: {gangs}"
@@ -126,6 +141,10 @@ import time
 import pytest
 import torch.distributed as dist
 from facts import record
+
+@pytest.mark.world_size(2)
+def test_warm(rank):
+    pass
 
 @pytest.mark.world_size(2)
 def test_hang(rank):
@@ -159,8 +178,8 @@ def test_hang_times_out_with_every_stack_and_raise_fails_fast(pytester, run_pyte
     Either way the next test passes on a fresh gang."""
     path = pytester.makepyfile(test_hangs=HANGS)
     result = run_pytest("--megatron-timeout", "3", "-vv", *DURATIONS)
-    result.assert_outcomes(passed=2, failed=2)
-    sleeping, waiting = line_of(HANGS, "rank 1 hangs here"), line_of(HANGS, "rank 0 waits here")
+    result.assert_outcomes(passed=3, failed=2)
+    sleeping, waiting = line_of(path, "rank 1 hangs here"), line_of(path, "rank 0 waits here")
     result.stdout.fnmatch_lines(
         [
             "*_ test_hang _*",
@@ -217,11 +236,10 @@ def test_one_gang_per_world_size_for_the_session(pytester, run_pytest, facts):
     [driver] = facts.pids("driver")
     ranks = facts("ranks")
     assert len(ranks) == 4 * (1 + 2 + 4)
-    by_size = {size: {(f["rank"], f["pid"]) for f in ranks if f["size"] == size} for size in (1, 2, 4)}
-    for size, members in by_size.items():
-        assert sorted(rank for rank, _ in members) == list(range(size)), f"size {size}: {members}"
-    all_pids = [pid for members in by_size.values() for _, pid in members]
-    assert len(set(all_pids)) == 7, f"gangs share a process: {by_size}"
+    for size in (1, 2, 4):
+        members = {(f["rank"], f["pid"]) for f in ranks if f["size"] == size}
+        assert sorted(rank for rank, _ in members) == list(range(size)), f"ws{size}: {members}"
+    assert len({f["pid"] for f in ranks}) == 7, "gangs of different sizes share a process"
     [zygote] = {f["ppid"] for f in ranks}
     assert zygote != driver
     assert {f["zygote_parent"] for f in ranks} == {driver}

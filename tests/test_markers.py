@@ -75,11 +75,7 @@ def test_too_big():
     result = run_pytest("-v", "-rs", "--strict-markers", "--megatron-timeout", "20")
     result.assert_outcomes(passed=12, skipped=1)
     result.stdout.fnmatch_lines_random(
-        [
-            f"*::test_sizes[[]ws{ws}-{letter}[]] PASSED*"
-            for ws in (1, 2, 4)
-            for letter in "ab"
-        ]
+        [f"*::test_sizes[[]ws{ws}-{letter}[]] PASSED*" for ws in (1, 2, 4) for letter in "ab"]
         + [
             "*::test_all[[]ws1[]] PASSED*",
             f"*::test_all[[]ws{DEFAULT_SLOTS}[]] PASSED*",

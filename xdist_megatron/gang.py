@@ -153,6 +153,11 @@ class Gang:
                 if not isinstance(message, Ready):
                     raise GangError(f"rank {rank} sent {message!r} instead of Ready")
 
+    def lost_ranks(self) -> list[int]:
+        """Ranks that died while the gang was idle (read from the zygote's exit notices)."""
+        self._pump_zygote()
+        return [rank for rank, pid in enumerate(self.pids) if pid in self._zygote.exits]
+
     def retire(self) -> None:
         """Kill every rank now (after a failure, a timeout or an interrupt)."""
         if not self.alive:
@@ -195,6 +200,7 @@ class Gang:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call `fn(*args, **kwargs)` on every rank; return the per-rank values in rank order."""
+        __tracebackhide__ = True
         try:
             payload = pickle.dumps((fn, args, kwargs))
         except Exception as exc:
@@ -227,6 +233,12 @@ class Gang:
             payload = pickle.dumps(job)
             for conn in self._conns:
                 conn.send_bytes(payload)
+        except OSError:  # a rank died between jobs
+            self._pump_zygote()
+            results = [self._death(rank) for rank in range(self.world_size)]
+            self.retire()
+            return results
+        try:
             results = self._collect(timeout)
         except BaseException:
             self.retire()
@@ -237,6 +249,7 @@ class Gang:
 
     def _collect(self, timeout: float) -> list[RankResult]:
         results: dict[int, RankResult] = {}
+        provisional: dict[int, RankResult] = {}
         waiting = dict(zip(self._conns, range(self.world_size), strict=True))
         deadline = time.monotonic() + timeout
         grace_end = float("inf")
@@ -250,8 +263,13 @@ class Gang:
                 if conn is self._zygote.conn:
                     self._pump_zygote()
                     continue
-                rank = waiting.pop(conn)
-                results[rank] = self._receive(conn, rank)
+                rank = waiting[conn]
+                result = self._receive(conn, rank)
+                if not result.final:
+                    provisional[rank] = result
+                    continue
+                del waiting[conn]
+                results[rank] = result
             for conn, rank in list(waiting.items()):
                 if self.pids[rank] in self._zygote.exits:
                     del waiting[conn]
@@ -259,16 +277,30 @@ class Gang:
             if grace_end == float("inf") and any(r.outcome == FAILED for r in results.values()):
                 grace_end = time.monotonic() + FAILURE_GRACE
         if waiting:
-            ranks = sorted(waiting.values())
-            if time.monotonic() >= deadline:
-                why = f"timed out after {timeout:g} s"
-            else:
-                first = min(r.rank for r in results.values() if r.outcome == FAILED)
-                why = f"was still running {FAILURE_GRACE:g} s after rank {first} failed"
-            stacks = self._dump_stacks(ranks)
-            for rank in ranks:
-                results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stacks[rank])
+            self._report_unfinished(sorted(waiting.values()), results, provisional, timeout)
         return [results[rank] for rank in range(self.world_size)]
+
+    def _report_unfinished(
+        self,
+        ranks: list[int],
+        results: dict[int, RankResult],
+        provisional: dict[int, RankResult],
+        timeout: float,
+    ) -> None:
+        """Ranks still busy: a body that already finished counts as it did (the rank was only
+        caught in the cleanup after a peer failed); a body still running fails with its stack."""
+        failed = [r.rank for r in results.values() if r.outcome == FAILED]
+        if failed:
+            why = f"was still running {FAILURE_GRACE:g} s after rank {min(failed)} failed"
+        else:
+            why = f"timed out after {timeout:g} s"
+        stacks = self._dump_stacks(ranks)
+        for rank in ranks:
+            body = provisional.get(rank)
+            if failed and body is not None:
+                results[rank] = body
+            else:
+                results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stacks[rank])
 
     def _pump_zygote(self) -> None:
         try:

@@ -243,7 +243,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.get_closest_marker(markers.MARKER) is None:
         return
     runtime = metafunc.config.stash[RUNTIME]
-    markers.parametrize_sizes(metafunc, runtime.device_count)
+    try:
+        markers.parametrize_sizes(metafunc, runtime.device_count)
+    except markers.MarkerError as exc:
+        raise pytest.Collector.CollectError(str(exc)) from None
 
 
 @pytest.hookimpl(trylast=True)
@@ -338,10 +341,13 @@ def _fixture_blob(item: pytest.Function) -> bytes:
         value = item.funcargs[name]
         try:
             pickle.dumps(value)
+            error = None
         except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
             pytest.fail(
                 f"fixture {name!r} of {item.nodeid} cannot be sent to the ranks: it does not "
-                f"pickle ({type(exc).__name__}: {exc}). Create the value on the ranks instead: "
+                f"pickle ({error}). Create the value on the ranks instead: "
                 "build it in the test body or in a module-level helper the test calls (the "
                 "rank, world_size, local_rank and device fixtures are available there).",
                 pytrace=False,

@@ -13,7 +13,7 @@ from . import placement
 from .gang import Gang, GangError
 from .locks import DeviceLocks
 from .protocol import FAILED, Job, RankResult, ResetJob
-from .zygote_client import ZygoteClient
+from .zygote_client import ZygoteClient, describe_exit
 
 RESET_TIMEOUT = 120.0
 SESSION_SCOPE, MODULE_SCOPE = "session", "module"
@@ -76,6 +76,13 @@ class GangPool:
     def acquire(self, size: int, module: str, timeout: float) -> Gang:
         """A live gang of `size` ranks, reset to its start-up state if `module` is new to it."""
         gang = self._gangs.get(size)
+        if gang is not None and gang.alive and gang.lost_ranks():
+            rank = gang.lost_ranks()[0]
+            code = self._zygote.exits.get(gang.pids[rank]) if self._zygote else None
+            self.notes.append(
+                f"gang of {size}: rank {rank} {describe_exit(code)} between tests; replaced it"
+            )
+            gang.retire()
         if gang is not None and gang.alive and gang.last_module not in (None, module):
             gang = self._cross_module_boundary(gang, module)
         if gang is None or not gang.alive:

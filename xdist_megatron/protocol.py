@@ -94,6 +94,7 @@ class RankResult:
     stderr: str = ""
     duration: float = 0.0
     value: Any = None  # CallJob return value
+    final: bool = True  # False: the test body's outcome, sent before the collective cleanup
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
         if isinstance(job, ShutdownJob):
             _leave_process_group()
             return 0
-        conn.send(runner.run(job))
+        runner.run(job, conn.send)
 
 
 def _join_process_group(spec: RankSpec) -> None:
@@ -152,14 +152,35 @@ class _JobRunner:
         self.open_class: type | None = None
         self.function: Any = None  # the test function being run, to cut tracebacks at it
 
-    def run(self, job: Job) -> RankResult:
+    def run(self, job: Job, send: Any) -> None:
+        """Run `job` and send its result. A test whose body did not fail on this rank first
+        reports that provisional result, then takes part in the collective cleanup: should a
+        peer's failure leave this rank stuck there, the driver still knows its body passed."""
         start = time.perf_counter()
         capture = job.capture if isinstance(job, TestJob) else True
         with FdCapture(capture) as out:
             result = self._dispatch(job)
         result.stdout, result.stderr = out.stdout, out.stderr
         result.duration = time.perf_counter() - start
-        return result
+        if isinstance(job, TestJob) and result.outcome != FAILED:
+            result.final = False
+            send(result)
+            result = self._cleanup_after_test(job, result)
+            result.duration = time.perf_counter() - start
+        result.final = True
+        send(result)
+
+    def _cleanup_after_test(self, job: TestJob, result: RankResult) -> RankResult:
+        with FdCapture(job.capture) as out:
+            try:
+                self._cleanup()
+            except BaseException as exc:
+                failure = _test_failure(self.rank, exc, job, None)
+            else:
+                failure = None
+        final = failure or result
+        final.stdout, final.stderr = result.stdout + out.stdout, result.stderr + out.stderr
+        return final
 
     def _dispatch(self, job: Job) -> RankResult:
         if isinstance(job, TestJob):
@@ -216,10 +237,6 @@ class _JobRunner:
             return RankResult(self.rank, XFAILED, exc.msg or "xfail")
         except BaseException as exc:
             return _test_failure(self.rank, exc, job, self.function)
-        try:
-            self._cleanup()
-        except BaseException as exc:
-            return _test_failure(self.rank, exc, job, None)
         return RankResult(self.rank, PASSED)
 
     def _call_test(self, job: TestJob) -> None:

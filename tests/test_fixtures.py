@@ -1,0 +1,242 @@
+"""End to end: fixtures of tests that run on ranks, xunit methods, and the explicit `gang` style."""
+
+from __future__ import annotations
+
+import pytest
+
+# Driver-side fixtures log "name:pid:token" to resolved.log each time pytest resolves them.
+CONFTEST = """
+import os
+import threading
+import uuid
+
+import pytest
+
+def resolve(name):
+    value = f"{name}:{os.getpid()}:{uuid.uuid4().hex}"
+    with open(os.path.join(os.path.dirname(__file__), "resolved.log"), "a") as f:
+        f.write(value + "\\n")
+    return value
+
+@pytest.fixture(scope="session")
+def session_value():
+    return resolve("session")
+
+@pytest.fixture(scope="module")
+def module_value():
+    return resolve("module")
+
+@pytest.fixture
+def function_value():
+    return resolve("function")
+
+@pytest.fixture(params=["p1", "p2"])
+def param_value(request):
+    return resolve(request.param)
+
+@pytest.fixture
+def indirect_value(request):
+    return resolve(f"indirect-{request.param}")
+
+@pytest.fixture
+def a_lambda():
+    return lambda: 1
+
+@pytest.fixture
+def a_lock():
+    return threading.Lock()
+"""
+
+# Ranks log "rank value" to received.log for each driver-side value they get.
+RANK_SUITE = """
+import os
+
+import pytest
+import torch
+from helper_mod import triple
+
+pytestmark = pytest.mark.world_size(2)
+HERE = os.path.dirname(__file__)
+
+def receive(rank, *values):
+    with open(os.path.join(HERE, "received.log"), "a") as f:
+        for value in values:
+            assert int(value.split(":")[1]) != os.getpid(), "resolved on the rank"
+            f.write(f"{rank} {value}\\n")
+
+class Box:
+    def __init__(self, n):
+        self.n = n
+
+@pytest.fixture
+def box():
+    return Box(7)
+
+def test_native(rank, world_size, local_rank, device):
+    assert rank == int(os.environ["RANK"]) and world_size == 2
+    assert local_rank == rank and device == torch.device("cpu")
+
+def test_scopes(rank, session_value, module_value, function_value, tmp_path):
+    assert tmp_path.is_dir()
+    receive(rank, session_value, module_value, function_value)
+
+def test_params(rank, session_value, module_value, function_value, param_value):
+    receive(rank, session_value, module_value, function_value, param_value)
+
+@pytest.mark.parametrize("indirect_value", ["i1", "i2"], indirect=True)
+def test_indirect(rank, indirect_value):
+    receive(rank, indirect_value)
+
+def test_module_class_and_sibling_module(box, rank):
+    assert type(box) is Box and box.n == 7
+    assert triple(rank + 1) == 3 * (rank + 1)
+
+def test_lambda(a_lambda):
+    pass
+
+def test_lock(a_lock):
+    pass
+
+def log_xunit(event):
+    with open(os.path.join(HERE, f"xunit-{os.environ.get('RANK')}.log"), "a") as f:
+        f.write(f"{event} {os.getpid()}\\n")
+
+class TestXunit:
+    @classmethod
+    def setup_class(cls):
+        log_xunit("setup_class")
+        cls.class_pid = os.getpid()
+
+    @classmethod
+    def teardown_class(cls):
+        log_xunit("teardown_class")
+
+    def setup_method(self, method):
+        log_xunit(f"setup_method {method.__name__}")
+        self.method_pid = os.getpid()
+
+    def teardown_method(self, method):
+        log_xunit(f"teardown_method {method.__name__}")
+
+    def test_one(self):
+        log_xunit("test_one")
+        assert self.class_pid == self.method_pid == os.getpid()
+
+    def test_two(self):
+        log_xunit("test_two")
+        assert self.class_pid == self.method_pid == os.getpid()
+"""
+
+GANG_SUITE = """
+import functools
+import os
+
+import pytest
+import torch
+import xdist_megatron
+from xdist_megatron import RankInfo
+
+pytestmark = pytest.mark.world_size(2)
+
+def where(offset, *, scale):
+    return xdist_megatron.rank_info(), os.getpid(), scale * offset
+
+def fail_on_rank_one():
+    if xdist_megatron.rank_info().rank == 1:
+        raise ValueError("rank one refuses")
+
+def test_run_returns_rank_order(gang, session_value):
+    assert session_value.split(":")[1] == str(os.getpid()), "the body runs in the driver"
+    infos, pids, values = zip(*gang.run(where, 5, scale=2))
+    cpu = torch.device("cpu")
+    assert list(infos) == [RankInfo(0, 2, 0, cpu), RankInfo(1, 2, 1, cpu)]
+    assert infos[1].rank == 1 and infos[1].world_size == 2 and infos[1].device == cpu
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert values == (10, 10)
+    assert gang.run(functools.partial(where, 1, scale=3))[1][2] == 3
+
+@pytest.mark.world_size(3)
+def test_run_on_three(gang):
+    assert [info.rank for info in gang.run(xdist_megatron.rank_info)] == [0, 1, 2]
+
+def test_failing_function(gang):
+    gang.run(fail_on_rank_one)
+
+def test_gang_again_after_failure(gang):
+    assert [info.rank for info in gang.run(xdist_megatron.rank_info)] == [0, 1]
+"""
+
+
+def lines(pytester: pytest.Pytester, name: str) -> list[str]:
+    return (pytester.path / name).read_text().splitlines()
+
+
+def assert_resolved_once_in_the_driver(pytester: pytest.Pytester) -> None:
+    """Each fixture value was made once per its scope, in one process, and reached both ranks."""
+    resolved = lines(pytester, "resolved.log")
+    names = sorted(value.split(":")[0] for value in resolved)
+    assert names == sorted(
+        ["session", "module", "function", "function", "function", "p1", "p2"]
+        + ["indirect-i1", "indirect-i2"]
+    )
+    assert len({value.split(":")[1] for value in resolved}) == 1, "all resolved in one driver"
+    received = set(lines(pytester, "received.log"))
+    assert received == {f"{rank} {value}" for rank in (0, 1) for value in resolved}
+
+
+def assert_xunit_ran_on_each_rank(pytester: pytest.Pytester) -> None:
+    """setup/teardown_class wrapped the class's tests and setup/teardown_method each test."""
+    assert not (pytester.path / "xunit-None.log").exists(), "xunit methods ran in the driver"
+    pids = set()
+    for rank in (0, 1):
+        events = [line.rsplit(" ", 1) for line in lines(pytester, f"xunit-{rank}.log")]
+        assert [event for event, _ in events] == [
+            "setup_class",
+            "setup_method test_one",
+            "test_one",
+            "teardown_method test_one",
+            "setup_method test_two",
+            "test_two",
+            "teardown_method test_two",
+            "teardown_class",
+        ]
+        assert len({pid for _, pid in events}) == 1, "one rank process ran the whole class"
+        pids |= {pid for _, pid in events}
+    assert len(pids) == 2
+
+
+def test_fixtures_and_xunit_methods_on_ranks(pytester, run_pytest):
+    """Driver-side fixtures arrive pickled on every rank (or error the test when they cannot);
+    rank-native fixtures, module classes, sibling modules and xunit methods work on the ranks."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_ranks=RANK_SUITE, helper_mod="def triple(x):\n    return 3 * x\n")
+    result = run_pytest("-rA", "--megatron-timeout", "20")
+    result.assert_outcomes(passed=9, errors=2)
+    result.stdout.fnmatch_lines_random(
+        [
+            "ERROR test_ranks.py::test_lambda - *fixture 'a_lambda'*",
+            "ERROR test_ranks.py::test_lock - *fixture 'a_lock'*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["*fixture 'a_lock' * does not pickle*Create the value on the ranks*"]
+    )
+    assert_resolved_once_in_the_driver(pytester)
+    assert_xunit_ran_on_each_rank(pytester)
+
+
+def test_gang_fixture(pytester, run_pytest):
+    """gang.run calls a function on every rank from a driver-side body; failures name the rank."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(
+        test_gang=GANG_SUITE,
+        test_unmarked="def test_gang_without_marker(gang):\n    pass\n",
+    )
+    result = run_pytest("--megatron-timeout", "20")
+    result.assert_outcomes(passed=3, failed=1, errors=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "E *GangError: fail_on_rank_one failed on rank(s) 1: ValueError: rank one refuses",
+            "the gang fixture needs @pytest.mark.world_size(N) on the test",
+        ]
+    )

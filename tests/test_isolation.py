@@ -1,0 +1,214 @@
+"""What one test module leaves in a shared gang's processes must not reach the next module.
+
+Module A dirties process-global state on a ws2 gang; module B, on the same rank processes, must
+see every value as it was when the gang started. The generated tests record their observations
+into $FACTS_DIR; the outer tests compare them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+FACTS_MODULE = """
+import json, os
+
+def record(name, **values):
+    values.update(pid=os.getpid())
+    with open(os.path.join(os.environ["FACTS_DIR"], name + ".jsonl"), "a") as f:
+        f.write(json.dumps(values) + "\\n")
+"""
+
+PROBE_MODULE = """
+import hashlib, os, random
+import torch
+from numpy import random as np_random
+
+def digest(data):
+    return hashlib.sha1(data).hexdigest()
+
+def settings(legacy=True):
+    backends = torch.backends
+    cudnn = backends.cudnn
+    numpy_state = np_random.get_state()
+    values = {
+        "cudnn": [cudnn.enabled, cudnn.benchmark, cudnn.deterministic],
+        "fp32_precision": [
+            backends.fp32_precision,
+            backends.cuda.matmul.fp32_precision,
+            cudnn.fp32_precision,
+            cudnn.conv.fp32_precision,
+            cudnn.rnn.fp32_precision,
+            backends.mkldnn.matmul.fp32_precision,
+        ],
+        "deterministic": [
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ],
+        "default_dtype": str(torch.get_default_dtype()),
+        "grad_enabled": torch.is_grad_enabled(),
+        "torch_rng": digest(torch.get_rng_state().numpy().tobytes()),
+        "python_rng": digest(repr(random.getstate()).encode()),
+        "numpy_rng": digest(numpy_state[1].tobytes() + repr(numpy_state[2:]).encode()),
+        "environ": dict(os.environ),
+    }
+    if legacy:  # torch refuses these reads once a test mixed in the fp32_precision API
+        values["tf32"] = [
+            cudnn.allow_tf32,
+            backends.cuda.matmul.allow_tf32,
+            torch.get_float32_matmul_precision(),
+        ]
+    return values
+"""
+
+DIRTY_MODULE = """
+import os, random
+import pytest, torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from numpy import random as np_random
+from facts import record
+from probe import settings
+
+LEAKED = []
+
+@pytest.mark.world_size(2)
+def test_dirty_everything(rank):
+    start = settings()
+    cudnn = torch.backends.cudnn
+    cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = False, True, True, False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    cudnn.conv.fp32_precision = "tf32"
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np_random.seed(1234)
+    os.environ["XM_ADDED"] = "added"
+    os.environ["XM_CHANGED"] = "changed"
+    del os.environ["XM_DELETED"]
+    LEAKED.append(dist.new_group([0, 1]))
+    record("start", rank=rank, values=start, dirty=settings(legacy=False))
+
+@pytest.mark.world_size(2)
+def test_groups_are_gone_but_state_is_kept_within_the_module(rank):
+    world = dist.distributed_c10d._world
+    assert LEAKED and LEAKED[0] not in world.pg_map
+    assert list(world.pg_map) == [world.default_pg]
+    assert torch.get_default_dtype() == torch.float64
+
+@pytest.mark.world_size(2)
+def test_megatron_left_initialised(rank):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    record("megatron", rank=rank, groups=len(dist.distributed_c10d._world.pg_map))
+"""
+
+CLEAN_MODULE = """
+import pytest
+import torch.distributed as dist
+from megatron.core import parallel_state
+from facts import record
+from probe import settings
+
+@pytest.mark.world_size(2)
+def test_sees_the_startup_state(rank):
+    world = dist.distributed_c10d._world
+    record(
+        "restored",
+        rank=rank,
+        values=settings(),
+        only_default_group=list(world.pg_map) == [world.default_pg],
+        megatron=parallel_state.model_parallel_is_initialized(),
+    )
+"""
+
+PRELOAD_INI = """
+[pytest]
+megatron_preload =
+    numpy.random
+    megatron.core.parallel_state
+"""
+
+
+def read_facts(folder: Path, name: str) -> dict[int, dict]:
+    """The facts recorded under `name`, by rank."""
+    path = folder / f"{name}.jsonl"
+    facts = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {fact["rank"]: fact for fact in facts}
+
+
+@pytest.fixture
+def facts_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the generated tests record facts; `facts.record` writes there."""
+    folder = pytester.mkdir("facts")
+    monkeypatch.setenv("FACTS_DIR", str(folder))
+    pytester.makepyfile(facts=FACTS_MODULE)
+    return folder
+
+
+def test_module_boundary_restores_startup_state(pytester, run_pytest, facts_dir, monkeypatch):
+    """Torch flags, dtype, grad mode, RNGs, environment, process groups and Megatron's parallel
+    state are back at their start-up values in the next module, on the same rank processes."""
+    monkeypatch.setenv("XM_CHANGED", "original")
+    monkeypatch.setenv("XM_DELETED", "present")
+    pytester.makeini(PRELOAD_INI)
+    pytester.makepyfile(probe=PROBE_MODULE, test_a_dirty=DIRTY_MODULE, test_b_clean=CLEAN_MODULE)
+    run_pytest("--megatron-timeout", "120").assert_outcomes(passed=4)
+    start = read_facts(facts_dir, "start")
+    restored = read_facts(facts_dir, "restored")
+    megatron = read_facts(facts_dir, "megatron")
+    assert sorted(start) == sorted(restored) == sorted(megatron) == [0, 1]
+    for rank in (0, 1):
+        assert restored[rank]["pid"] == start[rank]["pid"], "module B ran on another gang"
+        before, dirty = start[rank]["values"], start[rank]["dirty"]
+        unchanged = [key for key in dirty if dirty[key] == before[key]]
+        assert not unchanged, f"module A failed to change {unchanged}: the check would be vacuous"
+        assert restored[rank]["values"] == before
+        assert megatron[rank]["groups"] > 2, "megatron created no process groups"
+        assert restored[rank]["only_default_group"], "process groups leaked into module B"
+        assert restored[rank]["megatron"] is False, "megatron parallel state leaked into module B"
+
+
+CRASH_LATER_MODULE = """
+import os, threading
+import pytest
+from facts import record
+
+@pytest.mark.world_size(1)
+def test_leaves_a_crashing_thread(rank):
+    record("doomed", rank=rank)
+    threading.Timer(0.2, os._exit, (7,)).start()
+"""
+
+AFTER_CRASH_MODULE = """
+import json, os, time
+import pytest
+from facts import record
+
+@pytest.mark.timeout(30)
+def test_wait_until_the_rank_is_gone():
+    with open(os.path.join(os.environ["FACTS_DIR"], "doomed.jsonl")) as f:
+        pid = json.loads(f.readline())["pid"]
+    while os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.05)
+
+@pytest.mark.world_size(1)
+def test_runs_on_a_fresh_gang(rank):
+    record("fresh", rank=rank)
+"""
+
+
+def test_failed_reset_retires_the_gang_without_failing_tests(pytester, run_pytest, facts_dir):
+    """A reset that cannot complete (here: the rank died after module A's last test) must
+    replace the gang, not fail module B's test."""
+    pytester.makepyfile(test_a_crash=CRASH_LATER_MODULE, test_b_after=AFTER_CRASH_MODULE)
+    result = run_pytest("--megatron-timeout", "30")
+    result.assert_outcomes(passed=3)
+    assert read_facts(facts_dir, "fresh")[0]["pid"] != read_facts(facts_dir, "doomed")[0]["pid"]

@@ -1,0 +1,194 @@
+"""Invariants 3 and 4: no rank or zygote outlives its session; the rank side imports no test code.
+
+The generated tests record their pids into $FACTS_DIR so that the outer test can check those
+exact processes are gone, on top of the tag search of `assert_no_processes_left`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import assert_no_processes_left
+
+FACTS_MODULE = """
+import json, os, sys
+
+def record(name, **values):
+    values.update(pid=os.getpid(), ppid=os.getppid())
+    with open(os.path.join(os.environ["FACTS_DIR"], name + ".jsonl"), "a") as f:
+        f.write(json.dumps(values) + "\\n")
+
+def loaded_test_modules():
+    return sorted(m for m in sys.modules if m.startswith(("test_", "conftest")))
+"""
+
+CONFTEST = """
+import pytest
+
+@pytest.fixture
+def answer():
+    return 42
+"""
+
+PASSING = """
+import pytest
+from facts import loaded_test_modules, record
+
+@pytest.mark.world_size(2)
+def test_records(rank, answer):
+    record("ranks", rank=rank, modules=loaded_test_modules())
+"""
+
+FAILS = """
+@pytest.mark.world_size(2)
+def test_fails(rank):
+    assert rank == 0
+"""
+
+HANGS = """
+@pytest.mark.world_size(2)
+def test_hangs(rank):
+    import time
+    time.sleep(600)
+"""
+
+BLOCKING = """
+import time
+import pytest
+from facts import record
+
+@pytest.mark.world_size(2)
+def test_blocks(rank):
+    record("ranks", rank=rank)
+    time.sleep(600)
+"""
+
+
+def read_facts(folder: Path, name: str) -> list[dict]:
+    path = folder / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def assert_gone(pids: set[int], within: float = 5.0) -> None:
+    """Wait for `pids` to end (an exiting process lingers briefly after its children went)."""
+    deadline = time.monotonic() + within
+    while left := [pid for pid in pids if alive(pid)]:
+        assert time.monotonic() < deadline, f"still running: {left}"
+        time.sleep(0.05)
+
+
+def gang_pids(facts: list[dict]) -> set[int]:
+    """The ranks and their zygote, as the ranks recorded them."""
+    return {fact["pid"] for fact in facts} | {fact["ppid"] for fact in facts}
+
+
+@pytest.fixture
+def facts_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the generated tests record facts; a conftest is there too, for invariant 4."""
+    folder = pytester.mkdir("facts")
+    monkeypatch.setenv("FACTS_DIR", str(folder))
+    pytester.makepyfile(facts=FACTS_MODULE)
+    pytester.makeconftest(CONFTEST)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("extra", "options", "outcomes"),
+    [
+        (FAILS, (), {"passed": 1, "failed": 1}),
+        (HANGS, ("--megatron-timeout", "2"), {"passed": 1, "failed": 1}),
+    ],
+    ids=["failure", "timeout"],
+)
+def test_nothing_outlives_a_failing_session(
+    pytester, run_pytest, facts_dir, extra, options, outcomes
+):
+    """After a failure or a timeout, the recorded ranks and zygote are gone (run_pytest also
+    finds no tagged process)."""
+    pytester.makepyfile(test_suite=PASSING + extra)
+    run_pytest(*options).assert_outcomes(**outcomes)
+    facts = read_facts(facts_dir, "ranks")
+    assert len(facts) == 2
+    assert_gone(gang_pids(facts))
+
+
+def test_passing_session_imports_lazily_and_leaves_nothing(pytester, run_pytest, facts_dir):
+    """Invariant 4 on a live gang: a test module is imported on a rank when its first test runs
+    there, and the conftest (whose fixture the test uses) never is. Invariant 3 after a pass."""
+    pytester.makepyfile(test_one=PASSING, test_two=PASSING)
+    run_pytest().assert_outcomes(passed=2)
+    facts = read_facts(facts_dir, "ranks")
+    modules = [fact["modules"] for fact in facts]
+    assert modules == [["test_one"]] * 2 + [["test_one", "test_two"]] * 2
+    assert_gone(gang_pids(facts))
+
+
+def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):
+    """Invariant 4: importing the rank entry point, from a folder holding a conftest and test
+    modules, pulls in neither."""
+    pytester.makepyfile(test_suite=PASSING)
+    code = "import json, sys, xdist_megatron.rank; print(json.dumps(sorted(sys.modules)))"
+    output = subprocess.run(
+        [sys.executable, "-c", code], cwd=pytester.path, capture_output=True, text=True, check=True
+    ).stdout
+    loaded = json.loads(output)
+    assert "xdist_megatron.rank" in loaded
+    assert not [m for m in loaded if m.rpartition(".")[2].startswith(("test_", "conftest"))]
+
+
+def start_blocked_session(pytester: pytest.Pytester, facts_dir: Path) -> subprocess.Popen:
+    """pytest in a subprocess, returned once both ranks of its ws2 test are inside the test."""
+    pytester.makepyfile(test_block=BLOCKING)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--megatron-timeout", "300"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(read_facts(facts_dir, "ranks")) < 2:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the ranks never started:\n{process.communicate()[0]}")
+        time.sleep(0.1)
+    return process
+
+
+def test_sigkill_of_the_driver_takes_the_gang_down(pytester, tag, facts_dir):
+    """Invariant 3: a driver killed by SIGKILL cannot clean up, yet its zygote and ranks go."""
+    process = start_blocked_session(pytester, facts_dir)
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate()
+    assert_no_processes_left(tag, within=5)
+    assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
+
+
+def test_ctrl_c_interrupts_a_hanging_test_and_leaves_nothing(pytester, tag, facts_dir):
+    """Invariant 3: SIGINT during a test on a gang ends pytest as an interrupt (exit code 2)."""
+    process = start_blocked_session(pytester, facts_dir)
+    os.kill(process.pid, signal.SIGINT)
+    try:
+        output = process.communicate(timeout=30)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 2, output
+    assert "KeyboardInterrupt" in output
+    assert_no_processes_left(tag, within=5)
+    assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
