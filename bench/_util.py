@@ -63,6 +63,7 @@ def machine() -> dict[str, str | int]:
         "python": platform.python_version(),
         "torch": package_version("torch"),
         "megatron-core": package_version("megatron-core"),
+        "load": " ".join(f"{load:.2f}" for load in os.getloadavg()),
     }
 
 
@@ -75,5 +76,6 @@ def header_lines(title: str, info: dict[str, str | int]) -> list[str]:
         title,
         f"machine : {info['cores']} cores, {info['platform']}, Python {info['python']}, "
         f"torch {info['torch']}, megatron-core {info['megatron-core']}",
+        f"load    : {info['load']} (1, 5, 15 min averages at start; other work skews timings)",
         f"command : {command_line()}",
     ]

@@ -242,7 +242,7 @@ def time_warm_gang(zygote: Any, size: int, workdir: str) -> float:
 def candidate_modules(settings: Settings) -> tuple[list[str], str]:
     """The heavy modules both kinds of gang import, and a note on megatron.core."""
     if not settings.use_megatron:
-        return list(BASE_MODULES), f"{MEGATRON} left out (--no-megatron)"
+        return list(BASE_MODULES), f"{MEGATRON} left out by --no-megatron"
     try:
         found = importlib.util.find_spec(MEGATRON) is not None
     except ImportError:
@@ -262,7 +262,7 @@ def measure_gang_start(settings: Settings, workdir: str, log: IO[bytes]) -> dict
         failed = {m: why for m, why in zygote.preload_failures.items() if m in modules}
         if failed:
             modules = [m for m in modules if m not in failed]
-            note = "; ".join(f"{m} not importable ({why}), left out" for m, why in failed.items())
+            note = "; ".join(f"{m} left out, not importable: {why}" for m, why in failed.items())
         warm = {
             size: repeat(f"warm ws{size}", settings.repeats, time_warm_gang, zygote, size, workdir)
             for size in settings.sizes
@@ -390,8 +390,8 @@ def gang_table(start: dict[str, Any], settings: Settings) -> str:
         cells = [f"{row[k][q]:.3f}" for k in ("cold_s", "warm_s") for q in ("median", "min", "max")]
         rows.append([f"ws{row['size']}", *cells, f"{row['ratio']:.0f}x"])
     title = (
-        f"Gang start [s]  (cold: {settings.cold_repeats} runs per size, "
-        f"warm: {settings.repeats} runs per size)"
+        f"Gang start [s]  (runs per size: cold {settings.cold_repeats}, warm {settings.repeats}; "
+        "ranks ready in the process group)"
     )
     return f"{title}\n{table(headers, rows)}"
 
@@ -404,9 +404,9 @@ def per_test_table(per_test: dict[str, Any]) -> str:
         ["overhead (ws2 - plain)", "", *ms_cells(overhead)],
     ]
     title = (
-        f"Per-test time of a no-op test [ms]  (one pytest run, {per_test['tests_per_kind']} "
-        f"tests of each kind, junit time = setup + call + teardown, "
-        f"wall {per_test['wall_s']:.1f} s)"
+        f"Per-test time of a no-op test [ms]  (one pytest run of {per_test['tests_per_kind']} "
+        f"tests of each kind, wall {per_test['wall_s']:.1f} s;\n"
+        "junit time = setup + call + teardown, written with 1 ms resolution)"
     )
     first = (
         f"first-test cost (zygote start + gang start + the test): "

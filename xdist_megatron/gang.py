@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -65,6 +66,7 @@ class Gang:
         self.backend = backend or default_backend(self.devices)
         self.timeout = timeout
         self._own_zygote = zygote is None
+        self._own_workdir: str | None = None
         self._zygote = zygote
         self._workdir = workdir
         self.pids: list[int] = []
@@ -82,7 +84,7 @@ class Gang:
         if self._zygote is None:
             self._zygote = ZygoteClient(["torch", "torch.distributed"], None)
         if self._workdir is None:
-            self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-gang-")
+            self._workdir = self._own_workdir = tempfile.mkdtemp(prefix="xdist-megatron-gang-")
         self._store = dist.TCPStore(
             LOCALHOST, 0, None, True, timedelta(seconds=START_TIMEOUT), wait_for_workers=False
         )
@@ -183,6 +185,9 @@ class Gang:
         if self._own_zygote and self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        if self._own_workdir is not None:
+            shutil.rmtree(self._own_workdir, ignore_errors=True)
+            self._own_workdir = self._workdir = None
 
     def _release(self) -> None:
         for conn in self._conns:
