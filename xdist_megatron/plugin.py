@@ -40,6 +40,7 @@ NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
 FIXTURE_BLOB = pytest.StashKey[bytes]()
 RESULTS = pytest.StashKey[list]()
 TIMEOUT = pytest.StashKey[float]()
+ITEMS = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -170,6 +171,7 @@ class Runtime:
                 self.devices,
                 self.config.getoption("megatron_backend") or default_backend(self.devices),
                 self.preload,
+                self.largest_size,
                 DeviceLocks(self.lock_dir),
                 self.worker,
                 self.scope,
@@ -190,6 +192,11 @@ class Runtime:
             needed = metadata.sizes_still_needed(self.session_dir, self.worker)
             if needed is not None:
                 self._pool.trim(needed | {size})
+
+    def largest_size(self) -> int:
+        """The largest gang this session will start: the zygote keeps that many ranks forked."""
+        sizes = [item.stash.get(WORLD_SIZE, 0) for item in self.config.stash[ITEMS]]
+        return min(max(sizes, default=0), self.devices.count)
 
     def default_timeout(self) -> float:
         value = self.config.getoption("megatron_timeout")
@@ -252,6 +259,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     runtime = config.stash[RUNTIME]
+    config.stash[ITEMS] = items
     for item in items:
         if item.get_closest_marker(markers.MARKER) is None:
             continue

@@ -27,6 +27,7 @@ class GangPool:
         devices: placement.DeviceSet,
         backend: str | None,
         preload: Callable[[], list[str]],
+        largest_size: Callable[[], int],
         locks: DeviceLocks,
         worker: int = 0,
         scope: str = SESSION_SCOPE,
@@ -39,6 +40,7 @@ class GangPool:
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
         self._preload = preload
+        self._largest_size = largest_size
         self._quiet = quiet_zygote
         self._gangs: dict[int, Gang] = {}
         self._zygote: ZygoteClient | None = None
@@ -138,7 +140,7 @@ class GangPool:
             self._zygote.close()
         preload = self._preload()
         while True:
-            zygote = ZygoteClient(preload, self._log_file())
+            zygote = ZygoteClient(preload, self._log_file(), standby=self._largest_size())
             poisoned = [m for m, why in zygote.preload_failures.items() if "CUDA" in why]
             for module, why in zygote.preload_failures.items():
                 self.notes.append(f"megatron_preload: {module}: {why}")

@@ -6,7 +6,6 @@ the zygote); test modules are imported only when a job needs them.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import os
@@ -39,7 +38,6 @@ from .protocol import (
 )
 
 STACK_SIGNAL = signal.SIGUSR1
-_PR_SET_PDEATHSIG = 1
 _WATCH_INTERVAL = 0.5
 
 _info: RankInfo | None = None
@@ -59,7 +57,7 @@ def rank_info() -> RankInfo:
 
 def run_rank(spec: RankSpec, sock_fd: int) -> int:
     """Body of a forked rank process; returns its exit code."""
-    _die_with_parent(os.getppid(), spec.driver_pid)
+    _watch_parents(int(os.environ["XDIST_MEGATRON_ZYGOTE"]), spec.driver_pid)
     os.environ.update(spec.env)
     conn = Connection(sock_fd)
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the process
@@ -115,12 +113,9 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _die_with_parent(zygote_pid: int, driver_pid: int) -> None:
-    """Never outlive the zygote or the driver, even while stuck inside a collective."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def _watch_parents(zygote_pid: int, driver_pid: int) -> None:
+    """Never outlive the zygote or the driver, even while stuck inside a collective (the zygote
+    also set PR_SET_PDEATHSIG for this process)."""
     if os.getppid() != zygote_pid:
         os._exit(1)
 

@@ -8,10 +8,12 @@ child's exit (code or signal) as soon as it reaps it, and kills every child when
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import json
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -19,8 +21,10 @@ import time
 import traceback
 import warnings
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+PR_SET_PDEATHSIG = 1
 
 # What every rank needs, imported once here instead of once per rank.
 BASE_PRELOAD = (
@@ -68,10 +72,14 @@ def _fork_keeps_cuda_usable() -> bool:
 class Zygote:
     """The request loop: fork, signal and reap ranks on behalf of one driver."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, standby_target: int) -> None:
         self.conn = Connection(fd)
         self.sock = socket.socket(fileno=os.dup(fd))
         self.children: set[int] = set()
+        # Forked ahead of need, each waiting on its socket for a RankSpec and its rank socket:
+        # forking a zygote that holds torch and megatron costs 20-50 ms a process.
+        self.standby: list[tuple[int, socket.socket]] = []
+        self.standby_target = standby_target
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
@@ -79,12 +87,15 @@ class Zygote:
 
     def serve(self) -> None:
         while True:
-            ready = wait([self.conn, self.wake_r])
+            idle_work = len(self.standby) < self.standby_target
+            ready = wait([self.conn, self.wake_r], 0 if idle_work else None)
             if self.wake_r in ready:
                 os.read(self.wake_r, 4096)
             self._reap()
             if self.conn in ready and not self._handle_request():
                 return
+            if not ready:
+                self._add_standby()
 
     def _handle_request(self) -> bool:
         try:
@@ -107,28 +118,49 @@ class Zygote:
 
     def _fork(self, specs: list) -> list[int]:
         _, fds, _, _ = socket.recv_fds(self.sock, 1, len(specs))
+        self.standby_target = max(self.standby_target, len(specs))
         pids = []
         for spec, fd in zip(specs, fds, strict=True):
-            pid = os.fork()
-            if pid == 0:
-                self._become_rank(spec, fd)
+            if self.standby:
+                pid, control = self.standby.pop()
+                socket.send_fds(control, [pickle.dumps(spec)], [fd])
+                control.close()
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    self._become_rank(lambda spec=spec, fd=fd: (spec, fd))
             os.close(fd)
             self.children.add(pid)
             pids.append(pid)
         return pids
 
-    def _become_rank(self, spec, fd: int) -> None:
-        """In the child: drop the zygote's resources and run the rank; never returns."""
+    def _add_standby(self) -> None:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            self._become_rank(lambda: _await_assignment(theirs))
+        theirs.close()
+        self.children.add(pid)
+        self.standby.append((pid, ours))
+
+    def _become_rank(self, assignment: Any) -> None:
+        """In the child: drop the zygote's resources, wait for the rank's spec if this is a
+        standby, and run the rank; never returns."""
         code = 1
         try:
+            _die_with_zygote()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for own in (self.wake_r, self.wake_w):
                 os.close(own)
+            for _, control in self.standby:
+                control.close()
             self.sock.close()
             self.conn.close()
             from .rank import run_rank
 
+            spec, fd = assignment()
             code = run_rank(spec, fd)
         except BaseException:
             traceback.print_exc()
@@ -149,6 +181,7 @@ class Zygote:
             if pid == 0:
                 return
             self.children.discard(pid)
+            self.standby = [(p, c) for p, c in self.standby if p != pid]
             self.conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
     def _kill_all(self, signum: int) -> None:
@@ -166,6 +199,22 @@ class Zygote:
             self.children.discard(pid)
 
 
+def _await_assignment(control: socket.socket) -> tuple[Any, int]:
+    """A standby's wait for its rank: (RankSpec, rank socket fd); exit when the zygote goes."""
+    message, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+    if not message or not fds:
+        os._exit(0)
+    control.close()
+    return pickle.loads(message), fds[0]
+
+
+def _die_with_zygote() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str]) -> int:
     fd = int(argv[1])
     modules = list(BASE_PRELOAD) + [m for m in json.loads(argv[2]) if m not in BASE_PRELOAD]
@@ -181,7 +230,7 @@ def main(argv: list[str]) -> int:
     # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
     gc.collect()
     gc.freeze()
-    zygote = Zygote(fd)
+    zygote = Zygote(fd, int(argv[3]) if len(argv) > 3 else 0)
     zygote.conn.send(("ready", failures, os.getpid()))
     if any("CUDA" in reason for reason in failures.values()):
         return 1

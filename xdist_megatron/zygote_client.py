@@ -26,7 +26,7 @@ class ZygoteError(RuntimeError):
 class ZygoteClient:
     """One zygote process, owned by one driver."""
 
-    def __init__(self, preload: list[str], log: IO[bytes] | None) -> None:
+    def __init__(self, preload: list[str], log: IO[bytes] | None, standby: int = 0) -> None:
         self.preload = preload
         self.exits: dict[int, int] = {}
         ours, theirs = socket.socketpair()
@@ -39,6 +39,7 @@ class ZygoteClient:
                 "xdist_megatron.zygote",
                 str(theirs.fileno()),
                 json.dumps(preload),
+                str(standby),
             ],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
