@@ -53,10 +53,17 @@ def tag(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture
-def run_pytest(pytester: pytest.Pytester, tag: str) -> Callable[..., pytest.RunResult]:
-    """Run pytest in a subprocess on the pytester folder; then assert no rank or zygote is left."""
+def run_pytest(
+    pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., pytest.RunResult]:
+    """Run pytest in a subprocess on the pytester folder; then assert no rank or zygote is left.
 
-    def run(*args: str, timeout: float = 300) -> pytest.RunResult:
+    The run sees no GPU unless `gpus=True`: the suite's expectations are CPU mode's, also when
+    it runs on a machine with GPUs."""
+
+    def run(*args: str, timeout: float = 300, gpus: bool = False) -> pytest.RunResult:
+        if not gpus:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
         assert_no_processes_left(tag)
         return result

@@ -1,4 +1,4 @@
-"""GPU paths (NCCL, device pinning, sticky CUDA errors): run on a machine with GPUs, skipped on CPU."""
+"""GPU paths (NCCL, device pinning, sticky CUDA errors): run where GPUs are, skipped on CPU."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_nccl_pinning_and_sticky_cuda_error(pytester: pytest.Pytester, run_pytes
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     pytester.makepyfile(test_gpu_suite=SUITE)
-    result = run_pytest("-v", "--megatron-timeout", "120")
+    result = run_pytest("-v", "-rA", "--megatron-timeout", "120", gpus=True)
+    print(result.stdout.str())
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*test_device_side_assert FAILED*", "*rank*"])
     assert "CUDA" in result.stdout.str()

@@ -12,14 +12,18 @@ from types import TracebackType
 
 
 class _FdRedirect:
-    """Point `fd` at a temporary file; on exit put the original back and keep what was written."""
+    """Point `fd` at a file; on exit put the original back and keep what was written.
 
-    def __init__(self, fd: int) -> None:
+    The file has a name the driver knows, so that what a rank printed before it died (a CUDA
+    error, an abort message) still reaches the report."""
+
+    def __init__(self, fd: int, path: str | None) -> None:
         self.fd = fd
+        self.path = path
         self.text = ""
 
     def start(self) -> None:
-        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._file = open(self.path, "w+b") if self.path else tempfile.TemporaryFile("w+b")  # noqa: SIM115
         self._saved = os.dup(self.fd)
         os.dup2(self._file.fileno(), self.fd)
 
@@ -34,10 +38,10 @@ class _FdRedirect:
 class FdCapture:
     """Context manager capturing fds 1 and 2 (a no-op when `enabled` is false, as with `-s`)."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, path_prefix: str | None = None) -> None:
         self.enabled = enabled
-        self._out = _FdRedirect(1)
-        self._err = _FdRedirect(2)
+        self._out = _FdRedirect(1, path_prefix and f"{path_prefix}.stdout")
+        self._err = _FdRedirect(2, path_prefix and f"{path_prefix}.stderr")
 
     @property
     def stdout(self) -> str:
@@ -72,3 +76,13 @@ def _flush() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def output_paths(workdir: str, pid: int) -> tuple[str, str]:
+    """Where rank `pid` captures its stdout and stderr during a job."""
+    prefix = capture_prefix(workdir, pid)
+    return f"{prefix}.stdout", f"{prefix}.stderr"
+
+
+def capture_prefix(workdir: str, pid: int) -> str:
+    return os.path.join(workdir, f"output-{pid}")

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from . import placement
+from .capture import output_paths
 from .protocol import FAILED, CallJob, Job, RankResult, RankSpec, Ready, ShutdownJob
 from .rank import STACK_SIGNAL
 from .zygote_client import ZygoteClient, ZygoteError, describe_exit
@@ -323,7 +324,8 @@ class Gang:
     def _death(self, rank: int) -> RankResult:
         code = self._zygote.exit_code(self.pids[rank], 1.0) if self._zygote.alive else None
         message = f"rank {rank} {describe_exit(code)}"
-        return RankResult(rank, FAILED, message, message)
+        stdout, stderr = (_read_text(p) for p in output_paths(self._workdir, self.pids[rank]))
+        return RankResult(rank, FAILED, message, message, stdout=stdout, stderr=stderr)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every given rank's Python stacks, through faulthandler (works inside a collective)."""
@@ -356,6 +358,14 @@ def _read_stacks(rank: int, path: str) -> str:
     except OSError:
         text = ""
     return f"Python stacks of rank {rank}:\n{text or '(none: the rank did not answer)'}"
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -19,7 +19,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .capture import FdCapture
+from .capture import FdCapture, capture_prefix
 from .protocol import (
     FAILED,
     PASSED,
@@ -68,7 +68,8 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     startup = state.snapshot()
     gc.freeze()  # start-up objects are permanent: keep the per-test gc.collect() cheap
     conn.send(Ready(spec.rank, os.getpid()))
-    runner = _JobRunner(spec.rank, startup)
+    workdir = os.path.dirname(spec.stack_path)
+    runner = _JobRunner(spec.rank, startup, capture_prefix(workdir, os.getpid()))
     while True:
         try:
             job = conn.recv()
@@ -141,8 +142,9 @@ def _alive(pid: int) -> bool:
 class _JobRunner:
     """Runs jobs on this rank and keeps what lives between them (the open test class)."""
 
-    def __init__(self, rank: int, startup: Any) -> None:
+    def __init__(self, rank: int, startup: Any, capture_prefix: str) -> None:
         self.rank = rank
+        self.capture_prefix = capture_prefix
         self.startup = startup
         self.open_class: type | None = None
         self.function: Any = None  # the test function being run, to cut tracebacks at it
@@ -153,7 +155,7 @@ class _JobRunner:
         peer's failure leave this rank stuck there, the driver still knows its body passed."""
         start = time.perf_counter()
         capture = job.capture if isinstance(job, TestJob) else True
-        with FdCapture(capture) as out:
+        with FdCapture(capture, self.capture_prefix) as out:
             result = self._dispatch(job)
         result.stdout, result.stderr = out.stdout, out.stderr
         result.duration = time.perf_counter() - start
@@ -166,7 +168,7 @@ class _JobRunner:
         send(result)
 
     def _cleanup_after_test(self, job: TestJob, result: RankResult) -> RankResult:
-        with FdCapture(job.capture) as out:
+        with FdCapture(job.capture, self.capture_prefix) as out:
             try:
                 self._cleanup()
             except BaseException as exc:
