@@ -44,20 +44,27 @@ class TorchrunRank:
         self.world_size = info.world_size
         self._startup: Any = None
         self._module: str | None = None
+        self._layout: Any = None
 
-    def before_test(self, module: str) -> None:
-        from . import state
+    def before_test(self, module: str, layout: Any) -> None:
+        from . import layouts, state
 
         self._join()
         if self._module not in (None, module):
+            self._layout = None
             state.cleanup_after_job()
             state.restore(self._startup)
         self._module = module
+        kept, self._layout = self._layout, None
+        if layout is not None:
+            self._layout = layouts.ensure(layout, kept)
+        elif kept is not None:
+            state.cleanup_after_job()
 
     def after_test(self) -> None:
         from . import state
 
-        state.cleanup_after_job()
+        state.cleanup_after_job(keep_megatron=self._layout is not None)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """The `gang.run` of torchrun: call here, gather every rank's value."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from . import dist_mode, durations, markers, metadata, passthrough, placement, reporting
+from . import dist_mode, durations, layouts, markers, metadata, passthrough, placement, reporting
 from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_configure_node,
     pytest_plugin_registered,
@@ -41,6 +41,7 @@ FIXTURE_BLOB = pytest.StashKey[bytes]()
 RESULTS = pytest.StashKey[list]()
 TIMEOUT = pytest.StashKey[float]()
 ITEMS = pytest.StashKey[list]()
+LAYOUT = pytest.StashKey[tuple]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,6 +91,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", markers.MARKER_HELP)
+    config.addinivalue_line("markers", layouts.MARKER_HELP)
     config.addinivalue_line(
         "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
     )
@@ -252,7 +254,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     runtime = metafunc.config.stash[RUNTIME]
     try:
         markers.parametrize_sizes(metafunc, runtime.device_count)
-    except markers.MarkerError as exc:
+        layout_marker = metafunc.definition.get_closest_marker(layouts.MARKER)
+        if layout_marker is not None:
+            layouts.layout_of(layout_marker, metafunc.definition.nodeid)
+    except (markers.MarkerError, layouts.LayoutError) as exc:
         raise pytest.Collector.CollectError(str(exc)) from None
 
 
@@ -265,6 +270,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         size = markers.item_world_size(item, runtime.device_count)
         item.stash[WORLD_SIZE] = size
+        layout_marker = item.get_closest_marker(layouts.MARKER)
+        if layout_marker is not None:
+            item.stash[LAYOUT] = layouts.layout_of(layout_marker, item.nodeid)
         if runtime.torchrun is not None:
             if size != runtime.torchrun.world_size:
                 reason = f"needs world size {size}, torchrun started {runtime.torchrun.world_size}"
@@ -325,7 +333,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_setup(item: pytest.Item) -> Generator:
     runtime = item.config.stash[RUNTIME]
     if runtime.torchrun is not None and WORLD_SIZE in item.stash:
-        runtime.torchrun.before_test(item.module.__name__)
+        runtime.torchrun.before_test(item.module.__name__, item.stash.get(LAYOUT, None))
     result = yield
     if runs_on_ranks(item):
         item.stash[FIXTURE_BLOB] = _fixture_blob(item)
@@ -409,6 +417,7 @@ def _test_job(item: pytest.Function) -> TestJob:
         showlocals=bool(config.getoption("showlocals", False)),
         capture=config.getoption("capture", "fd") != "no",
         teardown_class=item.cls is not None and not same_class_next,
+        layout=item.stash.get(LAYOUT, None),
     )
 
 

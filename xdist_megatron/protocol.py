@@ -50,6 +50,7 @@ class TestJob:
     showlocals: bool
     capture: bool
     teardown_class: bool  # run teardown_class after this test (the class ends here)
+    layout: tuple | None = None  # Megatron layout of @pytest.mark.megatron, kept between tests
 
 
 @dataclass(frozen=True)

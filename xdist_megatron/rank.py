@@ -148,6 +148,7 @@ class _JobRunner:
         self.startup = startup
         self.open_class: type | None = None
         self.function: Any = None  # the test function being run, to cut tracebacks at it
+        self.layout: Any = None  # the Megatron layout kept alive for the next tests
 
     def run(self, job: Job, send: Any) -> None:
         """Run `job` and send its result. A test whose body did not fail on this rank first
@@ -200,12 +201,13 @@ class _JobRunner:
     def _cleanup(self) -> None:
         from . import state
 
-        state.cleanup_after_job()
+        state.cleanup_after_job(keep_megatron=self.layout is not None)
 
     def _reset(self) -> None:
         from . import state
 
         self._close_class()
+        self.layout = None
         state.cleanup_after_job()
         state.restore(self.startup)
 
@@ -240,6 +242,7 @@ class _JobRunner:
         from .importer import import_test_module
 
         module = import_test_module(job.module_name, job.module_path, job.sys_path)
+        self._set_layout(job.layout)
         kwargs = pickle.loads(job.fixtures)
         kwargs.update(_native_values(job.native_names))
         if job.class_path is None:
@@ -257,6 +260,16 @@ class _JobRunner:
             _call_xunit(instance, "teardown_method", self.function)
             if job.teardown_class:
                 self._close_class()
+
+    def _set_layout(self, layout: Any) -> None:
+        """Bring up the test's Megatron layout, reusing the kept one when it matches."""
+        from . import layouts
+
+        kept, self.layout = self.layout, None  # None until done: never keep a half-built state
+        if layout is not None:
+            self.layout = layouts.ensure(layout, kept)
+        elif kept is not None:
+            self._cleanup()  # this test wants no layout: drop the kept one
 
     def _open(self, cls: type) -> None:
         if self.open_class is cls:

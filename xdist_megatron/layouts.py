@@ -1,0 +1,57 @@
+"""`@pytest.mark.megatron(tp=2, pp=1, cp=1, ep=1)`: a Megatron model-parallel layout kept alive
+across the tests that share it on a gang.
+
+Initialising `parallel_state` creates a dozen process groups (NCCL communicators on GPUs, the
+expensive part); tests of one layout that follow each other reuse them. The layout is torn down
+on a layout change, at a module boundary (the reset) and with the gang after a failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MARKER = "megatron"
+MARKER_HELP = (
+    "megatron(tp=1, pp=1, cp=1, ep=1): initialise megatron.core.parallel_state with this layout "
+    "before the test and keep it for the next tests of the same layout on the gang."
+)
+ARGUMENTS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+}
+
+Layout = tuple[tuple[str, int], ...]
+
+
+class LayoutError(ValueError):
+    """A malformed megatron marker."""
+
+
+def layout_of(marker: Any, test_name: str) -> Layout:
+    """The marker's layout as a hashable, complete tuple (defaults 1)."""
+    unknown = set(marker.kwargs) - set(ARGUMENTS)
+    if marker.args or unknown:
+        raise LayoutError(
+            f"{test_name}: @pytest.mark.megatron takes keyword arguments tp, pp, cp, ep only"
+        )
+    sizes = {name: marker.kwargs.get(name, 1) for name in ARGUMENTS}
+    for name, value in sizes.items():
+        if type(value) is not int or value < 1:
+            raise LayoutError(f"{test_name}: megatron {name} must be a positive int, got {value!r}")
+    return tuple(sizes.items())
+
+
+def ensure(layout: Layout, current: Layout | None) -> Layout:
+    """On a rank: make `layout` the live parallel state, reusing `current` when it matches."""
+    from megatron.core import parallel_state
+
+    if layout == current and parallel_state.model_parallel_is_initialized():
+        return layout
+    if parallel_state.model_parallel_is_initialized():
+        from . import state
+
+        state.cleanup_after_job()
+    parallel_state.initialize_model_parallel(**{ARGUMENTS[k]: v for k, v in layout})
+    return layout
