@@ -301,6 +301,15 @@ def _publish_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     metadata.write_items(runtime.session_dir, config.workerinput["workerid"], infos)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the zygote as soon as a test will need gangs: its imports take seconds."""
+    runtime = session.config.stash[RUNTIME]
+    if session.config.option.collectonly or runtime.torchrun is not None:
+        return
+    if any(WORLD_SIZE in item.stash for item in session.items):
+        runtime.pool.prestart()
+
+
 def runs_on_ranks(item: pytest.Item) -> bool:
     """A marked test whose body runs on the ranks (it does not request the `gang` fixture)."""
     return (

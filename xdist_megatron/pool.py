@@ -44,6 +44,7 @@ class GangPool:
         self._quiet = quiet_zygote
         self._gangs: dict[int, Gang] = {}
         self._zygote: ZygoteClient | None = None
+        self._checked: ZygoteClient | None = None  # the zygote whose preload failures are noted
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self._log: IO[bytes] | None = None
         self.starts = 0
@@ -132,24 +133,31 @@ class GangPool:
             return ""
         return "rank output before the failure:\n" + "\n".join(tail) if tail else ""
 
+    def prestart(self) -> None:
+        """Start the zygote now, so its imports overlap with whatever runs before the first gang."""
+        if self._zygote is None:
+            self._zygote = self._spawn(self._preload())
+
+    def _spawn(self, preload: list[str]) -> ZygoteClient:
+        return ZygoteClient(preload, self._log_file(), standby=self._largest_size())
+
     def _live_zygote(self) -> ZygoteClient:
-        if self._zygote is not None and self._zygote.alive:
-            return self._zygote
-        if self._zygote is not None:
+        if self._zygote is not None and not self._zygote.alive:
             self.notes.append("the zygote died; started a new one")
             self._zygote.close()
-        preload = self._preload()
+            self._zygote = None
+        self.prestart()
         while True:
-            zygote = ZygoteClient(preload, self._log_file(), standby=self._largest_size())
-            poisoned = [m for m, why in zygote.preload_failures.items() if "CUDA" in why]
-            for module, why in zygote.preload_failures.items():
-                self.notes.append(f"megatron_preload: {module}: {why}")
+            zygote = self._zygote
+            failures = zygote.preload_failures
+            if zygote is not self._checked:
+                self._checked = zygote
+                self.notes += [f"megatron_preload: {m}: {why}" for m, why in failures.items()]
+            poisoned = [m for m, why in failures.items() if "CUDA" in why]
             if not poisoned:
-                break
+                return zygote
             zygote.close()
-            preload = [m for m in preload if m not in poisoned]
-        self._zygote = zygote
-        return zygote
+            self._zygote = self._spawn([m for m in zygote.preload if m not in poisoned])
 
     def _log_file(self) -> IO[bytes] | None:
         if not self._quiet:

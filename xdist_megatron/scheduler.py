@@ -168,7 +168,7 @@ class MegatronScheduling:
 
     def _workers(self) -> list[Any]:
         live = [n for n in self.pending if n in self.collections and not n.shutting_down]
-        return sorted(live, key=self._worker_index)
+        return sorted(live, key=lambda n: (len(self.pending[n]), self._worker_index(n)))
 
     def _worker_index(self, node: Any) -> int:
         return int(node.workerinput[INPUT_KEY]["worker"])
@@ -196,7 +196,10 @@ class MegatronScheduling:
     def _occupied(self, exclude: Any) -> frozenset[int]:
         devices: set[int] = set()
         for node, indices in self.pending.items():
-            if node is exclude or not indices:
+            # A worker with one pending test holds it back until more work arrives: it runs
+            # nothing, so its devices are free; should it start that test later, the device
+            # locks make it wait its turn.
+            if node is exclude or len(indices) < 2:
                 continue
             worker = self._worker_index(node)
             for index in indices:

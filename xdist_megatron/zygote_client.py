@@ -50,12 +50,14 @@ class ZygoteClient:
         )
         theirs.close()
         self.pid = self.process.pid
-        self.preload_failures = self._await_ready()
+        self._failures: dict[str, str] | None = None
 
-    def _await_ready(self) -> dict[str, str]:
-        message = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
-        _, failures, _ = message
-        return failures
+    @property
+    def preload_failures(self) -> dict[str, str]:
+        """{module: why} for preloads that failed; waits until the zygote has finished them."""
+        if self._failures is None:
+            _, self._failures, _ = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
+        return self._failures
 
     @property
     def alive(self) -> bool:
@@ -63,6 +65,7 @@ class ZygoteClient:
 
     def fork(self, specs: list[RankSpec], fds: list[int]) -> list[int]:
         """Fork one rank per spec; `fds` are the ranks' ends of their socket pairs."""
+        self.preload_failures  # noqa: B018 - the zygote must be ready first
         self.conn.send(("fork", specs))
         socket.send_fds(self._sock, [b"f"], fds)
         _, pids = self._next_reply(60.0, "fork")
