@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import assert_no_processes_left
 
 pytest.importorskip("megatron.core")
