@@ -15,6 +15,10 @@ from . import durations, metadata, placement
 from .scheduler import INPUT_KEY
 
 DIST_MODE = "megatron"
+DIST_HELP = (
+    "megatron: tests marked with a world size run on rank gangs, grouped by (module, world "
+    "size), largest first, on exclusive device blocks (xdist-megatron)."
+)
 WORKER_ENV = "XDIST_MEGATRON_WORKER"
 
 _parser: pytest.Parser | None = None
@@ -26,10 +30,14 @@ def add_dist_choice(parser: pytest.Parser) -> None:
     _parser = parser
     for group in parser._groups:
         for option in group.options:
-            if "--dist" in option.names():
-                choices = option.attrs().get("choices")
-                if choices is not None and DIST_MODE not in choices:
-                    choices.append(DIST_MODE)
+            if "--dist" not in option.names():
+                continue
+            attrs = option.attrs()
+            choices = attrs.get("choices")
+            if choices is not None and DIST_MODE not in choices:
+                choices.append(DIST_MODE)
+                attrs["help"] = f"{attrs.get('help') or ''} {DIST_HELP}"
+                option.help = attrs["help"]  # older pytest rebuilds attrs() from this
 
 
 def pytest_plugin_registered(plugin: Any, plugin_name: str, manager: Any) -> None:
@@ -45,14 +53,19 @@ def is_controller(config: pytest.Config) -> bool:
     return bool(config.getoption("tx", None)) and not hasattr(config, "workerinput")
 
 
-@pytest.hookimpl(optionalhook=True)
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core in CPU mode."""
+    """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core in CPU mode.
+
+    Asked before pytest_configure, so the devices are read here, not from the plugin's state."""
     if not requested(config):
         return None
-    from .plugin import RUNTIME
+    from .gang import detect_devices
 
-    devices = config.stash[RUNTIME].devices
+    try:
+        devices = detect_devices(config.getoption("megatron_devices"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return devices.count if devices.is_cuda else os.cpu_count() or 1
 
 
@@ -72,7 +85,9 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
-        specs[index] = execnet.XSpec(f"{spec}{env}")
+        replacement = execnet.XSpec(f"{spec}{env}")
+        replacement.id = spec.id  # keep gw0, gw1...: PYTEST_XDIST_WORKER matches the index
+        specs[index] = replacement
 
 
 @pytest.hookimpl(optionalhook=True)

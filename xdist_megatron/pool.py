@@ -68,6 +68,7 @@ class GangPool:
 
     def run(self, size: int, module: str, job: Job, timeout: float) -> list[RankResult]:
         """Run `job` on the gang of `size` ranks, holding its devices."""
+        self._live_zygote()  # wait for its imports before taking the devices from others
         with self.devices_held(size):
             return self.acquire(size, module, timeout).execute(job, timeout)
 

@@ -147,8 +147,10 @@ class MegatronScheduling:
         progress = True
         while self.queue and progress:
             progress = False
-            for node in self._workers():
-                if len(self.pending[node]) < 2 and self._assign_fitting(node):
+            hungry = [n for n in self._workers() if len(self.pending[n]) < 2]
+            hungry.sort(key=lambda n: (len(self.pending[n]), self._choices(n)))
+            for node in hungry:
+                if self._assign_fitting(node):
                     progress = True
         if self.queue:
             self._unblock()
@@ -169,6 +171,12 @@ class MegatronScheduling:
     def _workers(self) -> list[Any]:
         live = [n for n in self.pending if n in self.collections and not n.shutting_down]
         return sorted(live, key=lambda n: (len(self.pending[n]), self._worker_index(n)))
+
+    def _choices(self, node: Any) -> int:
+        """How many queued units fit this worker now (the most constrained chooses first)."""
+        busy = self._occupied(exclude=node)
+        worker = self._worker_index(node)
+        return sum(not busy & placement.positions(self.devices, worker, u.size) for u in self.queue)
 
     def _worker_index(self, node: Any) -> int:
         return int(node.workerinput[INPUT_KEY]["worker"])

@@ -1,0 +1,533 @@
+"""End to end: `--dist megatron` under real pytest-xdist runs of generated suites.
+
+Generated tests record where and when they ran (`audit.py` below, into $AUDIT_DIR); the outer
+test checks from those records that no device ever served two jobs at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from conftest import assert_no_processes_left
+
+from xdist_megatron.placement import home_device, parse_devices, worker_block
+
+DIST = ("--dist", "megatron")
+
+AUDIT = """
+import json, os, time
+from contextlib import contextmanager
+
+@contextmanager
+def interval(job):
+    start = time.time()
+    yield
+    end = time.time()
+    worker = int(os.environ["XDIST_MEGATRON_WORKER"])
+    devices = os.environ.get("XDIST_MEGATRON_DEVICES")
+    record = {
+        "job": os.environ.get("AUDIT_SESSION", "") + job,
+        "rank": int(os.environ["RANK"]) if devices else None,
+        "worker": worker,
+        "devices": [int(d) for d in devices.split(",")] if devices else None,
+        "start": start,
+        "end": end,
+    }
+    with open(os.path.join(os.environ["AUDIT_DIR"], f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\\n")
+"""
+
+AUDIT_CONFTEST = """
+import pytest
+
+@pytest.fixture
+def job(request):
+    return request.node.nodeid
+"""
+
+MIXED_MODULE = """
+import time
+import pytest
+from audit import interval
+
+@pytest.mark.world_size(1, 2, 4, 8)
+def test_gang(job, rank):
+    with interval(job):
+        time.sleep(0.2)
+
+def test_plain_one(job):
+    with interval(job):
+        time.sleep(0.2)
+
+def test_plain_two(job):
+    with interval(job):
+        time.sleep(0.2)
+"""
+
+
+def read_records(folder: Path) -> list[dict]:
+    paths = sorted(folder.glob("*.jsonl"))
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
+def overlaps(records: list[dict], devices_of) -> list[tuple]:
+    """(device, job, job) for each two different jobs that used one device at the same time.
+    A job spans, on each of its devices, from its first rank's start to its last rank's end."""
+    spans: dict[tuple[int, str], list[float]] = {}
+    for record in records:
+        for device in devices_of(record):
+            span = spans.setdefault((device, record["job"]), [record["start"], record["end"]])
+            span[0] = min(span[0], record["start"])
+            span[1] = max(span[1], record["end"])
+    by_device = defaultdict(list)
+    for (device, job), (start, end) in spans.items():
+        by_device[device].append((start, end, job))
+    found = []
+    for device, intervals in by_device.items():
+        intervals.sort()
+        last_end, last_job = float("-inf"), None
+        for start, end, job in intervals:
+            if start < last_end:
+                found.append((device, last_job, job))
+            if end > last_end:
+                last_end, last_job = end, job
+    return found
+
+
+@pytest.fixture
+def audit_dir(pytester, monkeypatch) -> Path:
+    """Where the generated tests record their intervals."""
+    folder = pytester.path / "audit"
+    folder.mkdir()
+    monkeypatch.setenv("AUDIT_DIR", str(folder))
+    pytester.makepyfile(audit=AUDIT)
+    pytester.makeconftest(AUDIT_CONFTEST)
+    return folder
+
+
+def test_mixed_lane_never_shares_a_device(pytester, run_pytest, audit_dir):
+    """Invariants 1 and 2 on a mixed lane (sizes 1-8 and unmarked, three modules, four workers):
+    every test passes and reports, each rank ran on its worker's block, and per device the
+    intervals of different jobs never overlap."""
+    pytester.makepyfile(**{f"test_mod{m}": MIXED_MODULE for m in range(3)})
+    result = run_pytest("-n", "4", *DIST, "--megatron-devices", "cpu:8")
+    result.assert_outcomes(passed=18)
+    devices = parse_devices("cpu:8", 0, 8)
+
+    def devices_of(record: dict) -> list[int]:
+        if record["devices"] is None:
+            return [home_device(devices, record["worker"])]
+        return record["devices"]
+
+    records = read_records(audit_dir)
+    ranks = defaultdict(set)
+    for record in records:
+        ranks[record["job"]].add(record["rank"])
+        if record["devices"] is not None:
+            size = len(record["devices"])
+            assert tuple(record["devices"]) == worker_block(devices, record["worker"], size)
+    expected = {
+        f"test_mod{m}.py::test_gang[ws{size}]": set(range(size))
+        for m in range(3)
+        for size in (1, 2, 4, 8)
+    }
+    expected |= {
+        f"test_mod{m}.py::test_plain_{n}": {None} for m in range(3) for n in ("one", "two")
+    }
+    assert dict(ranks) == expected
+    assert overlaps(records, devices_of) == []
+
+
+SMALL_SUITE = """
+import pytest
+
+@pytest.mark.world_size(2)
+def test_gang(rank, world_size):
+    assert world_size == 2
+
+def test_plain():
+    pass
+"""
+
+
+def plugin_args(*names: str) -> list[str]:
+    """`-p NAME` for each plugin, in load order."""
+    return [arg for name in names for arg in ("-p", name)]
+
+
+@pytest.mark.parametrize(
+    "plugins",
+    [("xdist_megatron.plugin", "xdist.plugin"), ("xdist.plugin", "xdist_megatron.plugin")],
+)
+def test_dist_choice_with_p_in_either_order(pytester, monkeypatch, plugins):
+    """Loaded by -p alone (no entry points), in either order, `megatron` joins --dist's choices."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    result = pytester.runpytest_subprocess(*plugin_args(*plugins), "--dist", "bogus")
+    result.stderr.fnmatch_lines(["*--dist: invalid choice: 'bogus' (choose from *'megatron')"])
+
+
+def test_dist_megatron_is_listed_in_help(pytester):
+    """A user finds the mode where the other modes are listed: under --dist in `pytest --help`."""
+    result = pytester.runpytest_subprocess("--help")
+    help_text = result.stdout.str()
+    dist_help = help_text[help_text.index("--dist=distmode") : help_text.index("--loadscope")]
+    assert "megatron" in dist_help
+
+
+def test_dist_megatron_with_p_plugin_under_xdist(pytester, run_pytest, monkeypatch):
+    """-p loads the plugin in the workers too: marked tests run on gangs there."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makepyfile(test_small=SMALL_SUITE)
+    result = run_pytest(
+        *plugin_args("xdist.plugin", "xdist_megatron.plugin"), "-n", "2", *DIST, "-v"
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines_random(
+        ["created: 2/2 workers", "*PASSED test_small.py::test_gang*"]
+    )
+
+
+def test_dist_megatron_without_n_runs_serially(pytester, run_pytest, monkeypatch):
+    """Without -n there is no xdist session: tests run here, and the header says so once."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makepyfile(test_small=SMALL_SUITE)
+    result = run_pytest(*plugin_args("xdist_megatron.plugin", "xdist.plugin"), *DIST)
+    result.assert_outcomes(passed=2)
+    assert result.stdout.str().count("--dist megatron without -n") == 1
+    result.stdout.no_fnmatch_line("*workers*")
+
+
+PLAIN_SUITE = """
+def test_one():
+    pass
+
+def test_two():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "workers"),
+    [((), os.cpu_count()), (("--maxprocesses", "1"), 1)],
+    ids=["cores", "maxprocesses"],
+)
+def test_n_auto_counts_cpu_cores(pytester, run_pytest, extra, workers):
+    """-n auto in CPU mode starts one worker per core; --maxprocesses caps it."""
+    pytester.makepyfile(test_plain=PLAIN_SUITE)
+    result = run_pytest("-n", "auto", *extra, *DIST, "--megatron-devices", "cpu:8")
+    result.assert_outcomes(passed=2)
+    plural = "worker" if workers == 1 else "workers"
+    result.stdout.fnmatch_lines([f"created: {workers}/{workers} {plural}"])
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
+def test_n_auto_is_the_plugins_count(pytester, tag):
+    """With the CPU affinity narrowed to one core, xdist's default would start 1 worker; the
+    contract is the plugin's count (os.cpu_count() in CPU mode, the GPU count on GPUs)."""
+    pytester.makepyfile(test_plain=PLAIN_SUITE)
+    result = pytester.run(
+        "taskset",
+        "-c",
+        "0",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "auto",
+        *DIST,
+        "--megatron-devices",
+        "cpu:8",
+        timeout=120,
+    )
+    assert_no_processes_left(tag)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([f"created: {os.cpu_count()}/{os.cpu_count()} workers"])
+
+
+CRASH_SUITES = {
+    "test_a_crash": """
+import os, signal
+
+def test_crash():
+    os.kill(os.getpid(), signal.SIGKILL)
+""",
+    "test_b_gang": """
+import pytest
+
+pytestmark = pytest.mark.world_size(2)
+
+def test_first(rank):
+    pass
+
+def test_second(rank):
+    pass
+""",
+    "test_c_after": """
+import pytest
+
+@pytest.mark.world_size(1)
+def test_queued_behind_the_crash(rank):
+    pass
+""",
+    "test_d_plain": """
+def test_one():
+    pass
+
+def test_two():
+    pass
+""",
+}
+
+
+def test_killed_worker_is_replaced_and_nothing_is_lost(pytester, run_pytest):
+    """An unmarked test SIGKILLs its worker while that worker's zygote is up. The scheduler
+    sends the marked test_c_after to the worker holding the crashing test back, so c is queued
+    behind it, and every worker is then told to shut down: c can only run on the replacement.
+    The crash is reported, every other test passes, and no zygote or rank is left over."""
+    pytester.makepyfile(**CRASH_SUITES)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "-v")
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*FAILED test_a_crash.py::test_crash*",
+            "replacing crashed worker gw*",
+            "*PASSED test_c_after.py::test_queued_behind_the_crash*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["*worker 'gw*' crashed while running 'test_a_crash.py::test_crash'"]
+    )
+
+
+WORKER_IDS_SUITE = """
+import os
+
+def test_one():
+    assert os.environ["PYTEST_XDIST_WORKER"] == "gw" + os.environ["XDIST_MEGATRON_WORKER"]
+
+def test_two():
+    assert os.environ["PYTEST_XDIST_WORKER"] == "gw" + os.environ["XDIST_MEGATRON_WORKER"]
+"""
+
+
+def test_workers_keep_xdist_ids(pytester, run_pytest):
+    """Worker j keeps xdist's id gwj (fixtures such as worker_id index per-worker resources by
+    it), and the status line counts the workers that exist."""
+    pytester.makepyfile(test_ids=WORKER_IDS_SUITE)
+    result = run_pytest("-n", "2", *DIST)
+    result.assert_outcomes(passed=2)
+    result.stdout.no_fnmatch_line("*/4 workers*")
+
+
+STOP_SUITE = {
+    "test_a_gang": """
+import time
+import pytest
+
+pytestmark = pytest.mark.world_size(2)
+
+def test_ok(rank):
+    pass
+
+def test_fails_on_rank_one(rank):
+    assert rank == 0
+
+def test_later(rank):
+    time.sleep(0.5)
+""",
+    "test_b_plain": "\n".join(f"def test_{i}():\n    pass\n" for i in range(6)),
+}
+
+
+def test_exitfirst_stops_cleanly(pytester, run_pytest):
+    """-x: the first failing marked test stops the session; xdist reports the stop as an
+    interruption (exit code 2, as with --dist load), fewer tests run than were collected, and
+    the gangs of every worker are gone."""
+    pytester.makepyfile(**STOP_SUITE)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "-x")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] == 1
+    assert outcomes.get("passed", 0) + 1 < 9
+    result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+    result.stdout.fnmatch_lines(["FAILED test_a_gang.py::test_fails_on_rank_one*"])
+
+
+LF_SUITE = """
+import pytest
+
+pytestmark = pytest.mark.world_size(2)
+
+def test_passes(rank):
+    pass
+
+def test_fails(rank):
+    assert rank == 0
+
+def test_also_passes(rank):
+    pass
+"""
+
+
+def test_last_failed_reruns_only_the_failed_marked_test(pytester, tag):
+    """--lf keeps working under --dist megatron: the second run schedules the one failure."""
+    pytester.makepyfile(test_lf=LF_SUITE, test_plain=PLAIN_SUITE)
+    args = ("-n", "2", *DIST, "--megatron-devices", "cpu:2", "-v")
+    first = pytester.runpytest_subprocess(*args, timeout=300)
+    assert_no_processes_left(tag)
+    first.assert_outcomes(passed=4, failed=1)
+    second = pytester.runpytest_subprocess("--lf", *args, timeout=300)
+    assert_no_processes_left(tag)
+    second.assert_outcomes(failed=1)
+    second.stdout.fnmatch_lines(["*FAILED test_lf.py::test_fails*"])
+    second.stdout.no_fnmatch_line("*PASSED*")
+
+
+SHARED_SUITE = """
+import time
+import pytest
+from audit import interval
+
+pytestmark = pytest.mark.world_size(2)
+
+@pytest.mark.parametrize("n", range(4))
+def test_gang(job, rank, n):
+    with interval(job):
+        time.sleep(0.3)
+"""
+
+BARRIER_CONFTEST = """
+import os, time
+from pathlib import Path
+
+import pytest
+
+@pytest.fixture
+def job(request):
+    return request.node.nodeid
+
+@pytest.fixture(scope="session", autouse=True)
+def both_sessions_started():
+    # Hold no device here: wait until the other session has reached its tests too.
+    folder = Path(os.environ["AUDIT_DIR"])
+    (folder / f"started-{os.environ['AUDIT_SESSION']}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(folder.glob("started-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_two_sessions_share_devices_through_the_lock_dir(pytester, tag, audit_dir):
+    """Two pytest sessions on one host, pointed at one --megatron-lock-dir, both place ws2
+    gangs on devices 0-1: the locks make them take turns, never overlapping on a device."""
+    pytester.makepyfile(test_shared_a=SHARED_SUITE, test_shared_b=SHARED_SUITE)
+    pytester.makeconftest(BARRIER_CONFTEST)
+    locks = pytester.path / "locks"
+    sessions = []
+    for name in ("a", "b"):
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", *DIST]
+        command += ["--megatron-devices", "cpu:2", "--megatron-lock-dir", str(locks)]
+        command += [f"--basetemp={pytester.path / f'tmp-{name}'}"]
+        env = {**os.environ, "AUDIT_SESSION": f"{name}:"}
+        sessions.append(
+            subprocess.Popen(
+                command,
+                cwd=pytester.path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [session.communicate(timeout=300)[0] for session in sessions]
+    assert_no_processes_left(tag)
+    for session, output in zip(sessions, outputs, strict=True):
+        assert session.returncode == 0, output
+        assert "8 passed" in output, output
+    records = read_records(audit_dir)
+    assert len({r["job"] for r in records}) == 16
+    assert overlaps(records, lambda record: record["devices"]) == []
+    by_session = [[r for r in records if r["job"].startswith(n)] for n in ("a:", "b:")]
+    last_start = max(min(r["start"] for r in rs) for rs in by_session)
+    first_end = min(max(r["end"] for r in rs) for rs in by_session)
+    assert last_start < first_end, "the sessions never competed for the devices"
+
+
+CONTRACT_SUITE = """
+import pytest
+
+def test_unmarked():
+    pass
+
+@pytest.mark.world_size(2)
+def test_passes(rank):
+    pass
+
+@pytest.mark.world_size(2)
+def test_fails_on_one_rank(rank):
+    assert rank == 0
+
+@pytest.mark.world_size(2)
+def test_skips(rank):
+    pytest.skip("not today")
+
+@pytest.mark.world_size(2)
+@pytest.mark.xfail(reason="known gap")
+def test_xfails(rank):
+    assert rank < 0
+
+@pytest.mark.world_size(8)
+def test_too_big(rank):
+    pass
+
+@pytest.mark.world_size(1, 2, 4)
+def test_sizes(rank, world_size):
+    assert 0 <= rank < world_size
+
+@pytest.mark.world_size(2)
+class TestWithSetup:
+    def setup_method(self, method):
+        self.prepared = method.__name__
+
+    def test_setup_ran_on_the_rank(self, rank):
+        assert self.prepared == "test_setup_ran_on_the_rank"
+"""
+
+
+def junit_outcomes(path: Path) -> dict[tuple[str, str], tuple[str, str | None]]:
+    """(classname, name) -> (outcome, message of a skip or xfail) of each junit testcase."""
+    outcomes = {}
+    for case in ET.parse(path).iter("testcase"):
+        found = [child for child in case if child.tag in ("failure", "error", "skipped")]
+        outcome = found[0].tag if found else "passed"
+        message = found[0].get("message") if found and outcome == "skipped" else None
+        outcomes[(case.get("classname"), case.get("name"))] = (outcome, message)
+    return outcomes
+
+
+def test_same_outcomes_as_plain_pytest(pytester, run_pytest):
+    """The contract's outcomes do not depend on the scheduling: -n 2 --dist megatron reports
+    every test as a serial run does (pass, fail on one rank, skip, xfail, too big, sizes,
+    setup_method on the ranks)."""
+    pytester.makepyfile(test_contract=CONTRACT_SUITE)
+    reports = {}
+    for name, args in (("serial", ()), ("xdist", ("-n", "2", *DIST))):
+        junit = pytester.path / f"{name}.xml"
+        result = run_pytest(*args, "--megatron-devices", "cpu:4", f"--junitxml={junit}")
+        result.assert_outcomes(passed=6, failed=1, skipped=2, xfailed=1)
+        reports[name] = junit_outcomes(junit)
+    assert reports["xdist"] == reports["serial"]
+    assert reports["serial"][("test_contract", "test_too_big")] == (
+        "skipped",
+        "needs 8 devices, 4 available",
+    )
