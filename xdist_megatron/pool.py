@@ -69,8 +69,14 @@ class GangPool:
     def run(self, size: int, module: str, job: Job, timeout: float) -> list[RankResult]:
         """Run `job` on the gang of `size` ranks, holding its devices."""
         self._live_zygote()  # wait for its imports before taking the devices from others
+        self._ensure_started(size)  # forking and joining only create contexts: no lock needed
         with self.devices_held(size):
             return self.acquire(size, module, timeout).execute(job, timeout)
+
+    def _ensure_started(self, size: int) -> None:
+        gang = self._gangs.get(size)
+        if gang is None or not gang.alive:
+            self._start(size)
 
     def trim(self, keep: set[int]) -> None:
         """Shut down gangs of sizes this worker will not run again: they hold device memory."""
