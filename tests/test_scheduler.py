@@ -238,8 +238,11 @@ def test_held_back_tests_do_not_deadlock(tmp_path, items, workers):
 
 def test_a_held_back_test_reserves_no_device(tmp_path):
     """A worker holding back its only test runs nothing, so another worker may take a unit on
-    the same devices at once; the device locks order the two should both start."""
-    run = Run(tmp_path, {"a.py::t": 2, "b.py::t": 2}, workers=2, devices=DeviceSet("cpu", (0, 1)))
+    the same devices at once; the device locks order the two should both start. (Unmarked tests
+    on one shared home device: a gang size that fits only once stays with its gang's worker.)"""
+    run = Run(
+        tmp_path, {"a.py::t": None, "b.py::t": None}, workers=2, devices=DeviceSet("cpu", (0,))
+    )
     run.start()
     assert run.sends == [(0, ["a.py::t"]), (1, ["b.py::t"])]
     run.finish()
@@ -260,6 +263,15 @@ def test_a_test_on_free_devices_is_not_left_held_back(tmp_path):
     run = Run(tmp_path, items, workers=2).start()
     assert run.sched.queue, "work is left, so no worker is told to shut down"
     assert [w.runnable for w in run.workers] == [True, True], run.sends
+
+
+def test_a_size_that_fits_once_stays_with_its_gang(tmp_path):
+    """ws8 on 8 devices runs one gang at a time anywhere: every such unit goes to the worker
+    that already started that gang instead of starting another one elsewhere."""
+    items = {f"m{i}.py::t": 8 for i in range(4)}
+    run = Run(tmp_path, items, workers=3).start()
+    run.finish()
+    assert {worker for worker, _ in run.sends} == {0}, run.sends
 
 
 def test_crashed_worker_returns_its_running_test_and_requeues_the_rest(tmp_path):

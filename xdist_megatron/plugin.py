@@ -196,7 +196,11 @@ class Runtime:
                 self._pool.trim(needed | {size})
 
     def largest_size(self) -> int:
-        """The largest gang this session will start: the zygote keeps that many ranks forked."""
+        """How many ranks the zygote keeps forked ahead of need: the largest gang of the session
+        when this process runs them all; under xdist none until a gang asks (a worker may never
+        run the large ones, and every standby rank is a process on a shared host)."""
+        if self.xdist:
+            return 0
         sizes = [item.stash.get(WORLD_SIZE, 0) for item in self.config.stash[ITEMS]]
         return min(max(sizes, default=0), self.devices.count)
 
