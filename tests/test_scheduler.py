@@ -265,15 +265,6 @@ def test_a_test_on_free_devices_is_not_left_held_back(tmp_path):
     assert [w.runnable for w in run.workers] == [True, True], run.sends
 
 
-def test_a_size_that_fits_once_stays_with_its_gang(tmp_path):
-    """ws8 on 8 devices runs one gang at a time anywhere: every such unit goes to the worker
-    that already started that gang instead of starting another one elsewhere."""
-    items = {f"m{i}.py::t": 8 for i in range(4)}
-    run = Run(tmp_path, items, workers=3).start()
-    run.finish()
-    assert {worker for worker, _ in run.sends} == {0}, run.sends
-
-
 def test_crashed_worker_returns_its_running_test_and_requeues_the_rest(tmp_path):
     """remove_node names the running test as the crash item; the tests queued behind it run on
     the replacement (same index, same devices), and nothing runs twice."""

@@ -60,7 +60,6 @@ class MegatronScheduling:
         self.collection: list[str] | None = None
         self.infos: dict[str, ItemInfo] = {}
         self.index_of: dict[str, int] = {}
-        self.gang_owner: dict[int, Any] = {}  # world size -> the worker that ran it last
 
     # -- the protocol -----------------------------------------------------------------------
 
@@ -188,20 +187,9 @@ class MegatronScheduling:
         for unit in self.queue:
             if busy & placement.positions(self.devices, worker, unit.size):
                 continue
-            if self._left_for_owner(unit, node):
-                continue
             self._send(node, unit)
             return True
         return False
-
-    def _left_for_owner(self, unit: Unit, node: Any) -> bool:
-        """A size only one gang can run at a time (it needs over half the devices) stays with
-        the worker that already has that gang: running it elsewhere gains no parallelism and
-        costs another start of the largest gang."""
-        if unit.size is None or 2 * unit.size <= self.devices.count:
-            return False
-        owner = self.gang_owner.get(unit.size)
-        return owner is not None and owner is not node and owner in self._workers()
 
     def _unblock(self) -> None:
         """Every worker waits with at most its held-back test and nothing fits beside the others'
@@ -233,8 +221,6 @@ class MegatronScheduling:
         self.queue.remove(unit)
         indices = [self.index_of[nodeid] for nodeid in unit.nodeids]
         self.pending[node].extend(indices)
-        if unit.size is not None:
-            self.gang_owner[unit.size] = node
         node.send_runtest_some(indices)
         self._log(f"{node.gateway.id}: {unit.module} ws{unit.size} x{len(indices)}")
 
