@@ -213,12 +213,15 @@ def log_tail(log: IO[bytes], lines: int = 20) -> str:
 # -- warm: a gang forked from the zygote ----------------------------------------------------------
 
 
-def start_zygote(modules: list[str], log: IO[bytes]) -> tuple[Any, float]:
+def start_zygote(modules: list[str], log: IO[bytes], standby: int) -> tuple[Any, float]:
+    """A zygote that keeps `standby` ranks forked, as the plugin's does in a serial run; the time
+    until its imports are done."""
     # Imported here: spawned ranks run this file and must import only what they are timed on.
     from xdist_megatron.zygote_client import ZygoteClient
 
     start = time.perf_counter()
-    zygote = ZygoteClient(modules, log)
+    zygote = ZygoteClient(modules, log, standby=standby)
+    zygote.preload_failures  # noqa: B018 - waits until the zygote is ready
     return zygote, time.perf_counter() - start
 
 
@@ -257,7 +260,7 @@ def measure_gang_start(settings: Settings, workdir: str, log: IO[bytes]) -> dict
 
     modules, note = candidate_modules(settings)
     progress(f"zygote: preloading {', '.join(modules)}")
-    zygote, zygote_s = start_zygote(modules, log)
+    zygote, zygote_s = start_zygote(modules, log, standby=max(settings.sizes))
     try:
         failed = {m: why for m, why in zygote.preload_failures.items() if m in modules}
         if failed:

@@ -18,9 +18,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 def under_torchrun() -> bool:
     """True in a process started by torchrun (and not in one of our own ranks)."""
-    return (
-        all(v in os.environ for v in TORCHRUN_VARS) and "XDIST_MEGATRON_DEVICES" not in os.environ
-    )
+    return all(v in os.environ for v in TORCHRUN_VARS) and "XDIST_MEGATRON_ZYGOTE" not in os.environ
 
 
 def torchrun_rank_info() -> RankInfo | None:
@@ -79,6 +77,9 @@ class TorchrunRank:
         import torch
         import torch.distributed as dist
 
+        # As on a gang: the devices of this node's ranks, so a test can tell where it ran.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        os.environ.setdefault("XDIST_MEGATRON_DEVICES", ",".join(map(str, range(local))))
         if dist.is_initialized():
             if self._startup is None:
                 from . import state

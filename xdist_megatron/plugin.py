@@ -345,9 +345,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator:
     runtime = item.config.stash[RUNTIME]
+    result = yield  # fixtures set up, skip markers evaluated: the test will run
     if runtime.torchrun is not None and WORLD_SIZE in item.stash:
         runtime.torchrun.before_test(item.module.__name__, item.stash.get(LAYOUT, None))
-    result = yield
     if runs_on_ranks(item):
         item.stash[FIXTURE_BLOB] = _fixture_blob(item)
     return result
