@@ -212,3 +212,57 @@ def test_failed_reset_retires_the_gang_without_failing_tests(pytester, run_pytes
     result = run_pytest("--megatron-timeout", "30")
     result.assert_outcomes(passed=3)
     assert read_facts(facts_dir, "fresh")[0]["pid"] != read_facts(facts_dir, "doomed")[0]["pid"]
+
+
+MEGATRON_DIRTY = """
+import pytest
+import torch.distributed as dist
+from megatron.core import num_microbatches_calculator as nmc
+from megatron.core import parallel_state as ps
+from megatron.core import rerun_state_machine as rsm
+from megatron.core.tensor_parallel import random as tp_random
+
+@pytest.mark.world_size(2)
+def test_leave_every_megatron_singleton_dirty(rank):
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps.set_data_parallel_rank(7)
+    nmc.init_num_microbatches_calculator(rank, None, 8, 1, 1)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True)
+    rsm.initialize_rerun_state_machine()
+    dist.new_group([0, 1])
+    assert ps._MPU_DATA_PARALLEL_RANK == 7 and ps._EMBEDDING_GLOBAL_RANKS
+    assert ps._GLOBAL_MEMORY_BUFFER is not None
+    assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None
+    assert tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    assert rsm._GLOBAL_RERUN_STATE_MACHINE is not None
+"""
+
+MEGATRON_CLEAN = """
+import os
+import pytest
+import torch.distributed as dist
+from megatron.core import num_microbatches_calculator as nmc
+from megatron.core import parallel_state as ps
+from megatron.core import rerun_state_machine as rsm
+from megatron.core.tensor_parallel import random as tp_random
+
+@pytest.mark.world_size(2)
+def test_every_megatron_singleton_is_clean():
+    assert not ps.model_parallel_is_initialized()
+    assert ps._MPU_DATA_PARALLEL_RANK is None and ps._MPU_DATA_PARALLEL_WORLD_SIZE is None
+    assert ps._EMBEDDING_GLOBAL_RANKS is None
+    assert ps._GLOBAL_MEMORY_BUFFER is None
+    assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None
+    assert not tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    assert rsm._GLOBAL_RERUN_STATE_MACHINE is None
+    assert len(dist.distributed_c10d._world.pg_map) == 1
+"""
+
+
+def test_megatron_state_dirtied_in_one_module_is_clean_in_the_next(pytester, run_pytest):
+    """Parallel state, the data-parallel rank override, embedding ranks, the global memory
+    buffer, the microbatch calculator, the RNG tracker, the rerun state machine and leaked
+    groups: all left dirty by module A, all clean in module B on the same gang."""
+    pytest.importorskip("megatron.core")
+    pytester.makepyfile(test_a_megatron=MEGATRON_DIRTY, test_b_megatron=MEGATRON_CLEAN)
+    run_pytest("--megatron-timeout", "120").assert_outcomes(passed=2)

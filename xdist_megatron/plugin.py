@@ -213,7 +213,8 @@ class Runtime:
         configured = self.config.getini("megatron_preload")
         if configured:
             return list(dict.fromkeys(BASE_PRELOAD + configured))
-        return list(dict.fromkeys(BASE_PRELOAD + _third_party_imports()))
+        items = self.config.stash.get(ITEMS, [])
+        return list(dict.fromkeys(BASE_PRELOAD + _third_party_imports(items)))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -224,28 +225,41 @@ class Runtime:
             self._session_dir = None
 
 
-def _third_party_imports() -> list[str]:
-    """Modules imported by loaded test modules that live in site-packages."""
+def _third_party_imports(items: list[pytest.Item]) -> list[str]:
+    """Modules the collected test modules imported that live in site-packages."""
     found: set[str] = set()
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "")
-        if not name.rpartition(".")[2].startswith("test") and not name.endswith("_test"):
-            continue
+    test_modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m is not None}
+    for module in test_modules.values():
         for value in list(vars(module).values()):
-            source = (
-                value.__name__
-                if isinstance(value, type(sys))
-                else getattr(value, "__module__", None)
-            )
-            if isinstance(source, str) and _is_third_party(source):
-                found.add(source)
+            if isinstance(value, type(sys)):
+                source = value.__name__
+            else:
+                source = getattr(value, "__module__", None)
+            if isinstance(source, str):
+                found |= _preloadable(source)
     return sorted(found)
 
 
-def _is_third_party(module_name: str) -> bool:
+def _preloadable(module_name: str) -> set[str]:
+    """The module if it is third-party code; for a namespace package (`import megatron.core`
+    binds `megatron`, which has no file), its imported third-party children."""
     if module_name.partition(".")[0] in NOT_PRELOADED:
-        return False
-    path = getattr(sys.modules.get(module_name), "__file__", None) or ""
+        return set()
+    module = sys.modules.get(module_name)
+    if getattr(module, "__file__", None):
+        return {module_name} if _in_site_packages(module) else set()
+    depth = module_name.count(".") + 1
+    return {
+        name
+        for name, child in list(sys.modules.items())
+        if name.startswith(module_name + ".")
+        and name.count(".") == depth
+        and _in_site_packages(child)
+    }
+
+
+def _in_site_packages(module: Any) -> bool:
+    path = getattr(module, "__file__", None) or ""
     return "site-packages" in path or "dist-packages" in path
 
 
