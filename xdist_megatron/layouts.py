@@ -8,6 +8,7 @@ on a layout change, at a module boundary (the reset) and with the gang after a f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 MARKER = "megatron"
@@ -55,3 +56,14 @@ def ensure(layout: Layout, current: Layout | None) -> Layout:
         state.cleanup_after_job()
     parallel_state.initialize_model_parallel(**{ARGUMENTS[k]: v for k, v in layout})
     return layout
+
+
+def switch(
+    wanted: Layout | None, kept: Layout | None, cleanup: Callable[[], None]
+) -> Layout | None:
+    """Make `wanted` the live layout (None: no layout), reusing `kept`; returns the kept one."""
+    if wanted is not None:
+        return ensure(wanted, kept)
+    if kept is not None:
+        cleanup()  # this test wants no layout: drop the kept one
+    return None

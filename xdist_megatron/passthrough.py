@@ -54,10 +54,7 @@ class TorchrunRank:
             state.restore(self._startup)
         self._module = module
         kept, self._layout = self._layout, None
-        if layout is not None:
-            self._layout = layouts.ensure(layout, kept)
-        elif kept is not None:
-            state.cleanup_after_job()
+        self._layout = layouts.switch(layout, kept, state.cleanup_after_job)
 
     def after_test(self) -> None:
         from . import state

@@ -266,10 +266,7 @@ class _JobRunner:
         from . import layouts
 
         kept, self.layout = self.layout, None  # None until done: never keep a half-built state
-        if layout is not None:
-            self.layout = layouts.ensure(layout, kept)
-        elif kept is not None:
-            self._cleanup()  # this test wants no layout: drop the kept one
+        self.layout = layouts.switch(layout, kept, self._cleanup)
 
     def _open(self, cls: type) -> None:
         if self.open_class is cls:
