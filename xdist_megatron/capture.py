@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from types import TracebackType
 
 
@@ -17,13 +16,13 @@ class _FdRedirect:
     The file has a name the driver knows, so that what a rank printed before it died (a CUDA
     error, an abort message) still reaches the report."""
 
-    def __init__(self, fd: int, path: str | None) -> None:
+    def __init__(self, fd: int, path: str) -> None:
         self.fd = fd
         self.path = path
         self.text = ""
 
     def start(self) -> None:
-        self._file = open(self.path, "w+b") if self.path else tempfile.TemporaryFile("w+b")  # noqa: SIM115
+        self._file = open(self.path, "w+b")  # noqa: SIM115 - closed in stop()
         self._saved = os.dup(self.fd)
         os.dup2(self._file.fileno(), self.fd)
 
@@ -38,10 +37,10 @@ class _FdRedirect:
 class FdCapture:
     """Context manager capturing fds 1 and 2 (a no-op when `enabled` is false, as with `-s`)."""
 
-    def __init__(self, enabled: bool, path_prefix: str | None = None) -> None:
+    def __init__(self, enabled: bool, path_prefix: str) -> None:
         self.enabled = enabled
-        self._out = _FdRedirect(1, path_prefix and f"{path_prefix}.stdout")
-        self._err = _FdRedirect(2, path_prefix and f"{path_prefix}.stderr")
+        self._out = _FdRedirect(1, f"{path_prefix}.stdout")
+        self._err = _FdRedirect(2, f"{path_prefix}.stderr")
 
     @property
     def stdout(self) -> str:
@@ -79,7 +78,7 @@ def _flush() -> None:
 
 
 def output_paths(workdir: str, pid: int) -> tuple[str, str]:
-    """Where rank `pid` captures its stdout and stderr during a job."""
+    """Where rank `pid` captures its stdout and stderr during a job (as FdCapture names them)."""
     prefix = capture_prefix(workdir, pid)
     return f"{prefix}.stdout", f"{prefix}.stderr"
 

@@ -49,10 +49,6 @@ def requested(config: pytest.Config) -> bool:
     return config.getoption("dist", "no") == DIST_MODE
 
 
-def is_controller(config: pytest.Config) -> bool:
-    return bool(config.getoption("tx", None)) and not hasattr(config, "workerinput")
-
-
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core in CPU mode.

@@ -27,6 +27,7 @@ from .rank import STACK_SIGNAL
 from .zygote_client import ZygoteClient, ZygoteError, describe_exit
 
 DEFAULT_TIMEOUT = 300.0
+BASE_PRELOAD = ("torch", "torch.distributed")
 START_TIMEOUT = 120.0
 FAILURE_GRACE = 2.0  # how long the other ranks may still finish after one rank failed
 STACK_WAIT = 2.0
@@ -83,7 +84,7 @@ class Gang:
         import torch.distributed as dist
 
         if self._zygote is None:
-            self._zygote = ZygoteClient(["torch", "torch.distributed"], None)
+            self._zygote = ZygoteClient(list(BASE_PRELOAD), None)
         if self._workdir is None:
             self._workdir = self._own_workdir = tempfile.mkdtemp(prefix="xdist-megatron-gang-")
         self._store = dist.TCPStore(
@@ -93,6 +94,11 @@ class Gang:
         pairs = [socket.socketpair() for _ in specs]
         try:
             self.pids = self._zygote.fork(specs, [theirs.fileno() for _, theirs in pairs])
+        except BaseException:
+            for ours, _ in pairs:
+                ours.close()
+            self._store = None
+            raise
         finally:
             for _, theirs in pairs:
                 theirs.close()
@@ -104,6 +110,9 @@ class Gang:
             self.retire()
             raise
         return self
+
+    def _stack_path(self, port: int, rank: int) -> str:
+        return os.path.join(self._workdir, f"stacks-{port}-{rank}.txt")
 
     def _spec(self, rank: int, port: int) -> RankSpec:
         env = {
@@ -126,7 +135,7 @@ class Gang:
             store_port=port,
             use_cuda=self.devices.is_cuda,
             driver_pid=os.getpid(),
-            stack_path=os.path.join(self._workdir, f"stacks-{port}-{rank}.txt"),
+            stack_path=self._stack_path(port, rank),
             start_timeout=START_TIMEOUT,
         )
 
@@ -197,7 +206,11 @@ class Gang:
         self._store = None
 
     def __enter__(self) -> Gang:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # the zygote and folder this gang owns must not outlive it
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -329,9 +342,7 @@ class Gang:
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every given rank's Python stacks, through faulthandler (works inside a collective)."""
-        paths = {
-            r: os.path.join(self._workdir, f"stacks-{self._store.port}-{r}.txt") for r in ranks
-        }
+        paths = {r: self._stack_path(self._store.port, r) for r in ranks}
         self._zygote.signal([self.pids[r] for r in ranks], STACK_SIGNAL)
         deadline = time.monotonic() + STACK_WAIT
         sizes: dict[int, int] = {}

@@ -109,7 +109,7 @@ def gang_slot(worker: int, size: int, count: int) -> int | None:
     blocks = count // size if size > 0 else 0
     if blocks == 0:
         return None
-    return worker if worker < blocks else worker % blocks
+    return worker % blocks
 
 
 def worker_block(devices: DeviceSet, worker: int, size: int) -> tuple[int, ...] | None:

@@ -21,17 +21,16 @@ from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_xdist_make_scheduler,
     pytest_xdist_setupnodes,
 )
-from .gang import GangError, default_backend, detect_devices
+from .gang import BASE_PRELOAD, DEFAULT_TIMEOUT, GangError, default_backend, detect_devices
 from .locks import DeviceLocks
 from .placement import DeviceSet
 from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
 from .protocol import FAILED, PASSED, SKIPPED, XFAILED, CleanupJob, RankInfo, TestJob
 from .reporting import RankFailures, RankFailuresRepr
 from .scheduler import INPUT_KEY
+from .zygote_client import ZygoteError
 
 NATIVE_FIXTURES = ("rank", "world_size", "local_rank", "device")
-DEFAULT_TIMEOUT = 300.0
-BASE_PRELOAD = ["torch", "torch.distributed"]
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
 RUNTIME = pytest.StashKey["Runtime"]()
@@ -156,7 +155,6 @@ class Runtime:
         """Folder shared by the controller and its workers (created by the controller)."""
         if self._session_dir is None:
             self._session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
-            self._owns_session_dir = True
         return self._session_dir
 
     @property
@@ -212,15 +210,15 @@ class Runtime:
         """megatron_preload, or the third-party modules the collected test modules imported."""
         configured = self.config.getini("megatron_preload")
         if configured:
-            return list(dict.fromkeys(BASE_PRELOAD + configured))
+            return list(dict.fromkeys([*BASE_PRELOAD, *configured]))
         items = self.config.stash.get(ITEMS, [])
-        return list(dict.fromkeys(BASE_PRELOAD + _third_party_imports(items)))
+        return list(dict.fromkeys([*BASE_PRELOAD, *_third_party_imports(items)]))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        if getattr(self, "_owns_session_dir", False) and self._session_dir is not None:
+        if not self.xdist and self._session_dir is not None:  # workers use the controller's
             shutil.rmtree(self._session_dir, ignore_errors=True)
             self._session_dir = None
 
@@ -410,7 +408,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     runtime.trim_gangs(size)
     try:
         results = runtime.pool.run(size, pyfuncitem.module.__name__, _test_job(pyfuncitem), timeout)
-    except GangError as exc:  # the gang could not start: say why, without our own frames
+    except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
         pytest.fail(str(exc), pytrace=False)
     pyfuncitem.stash[RESULTS] = results
     verdict = reporting.merge(results)

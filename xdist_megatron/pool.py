@@ -47,7 +47,6 @@ class GangPool:
         self._checked: ZygoteClient | None = None  # the zygote whose preload failures are noted
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self._log: IO[bytes] | None = None
-        self.starts = 0
 
     @property
     def zygote_log(self) -> str:
@@ -86,8 +85,9 @@ class GangPool:
     def acquire(self, size: int, module: str, timeout: float) -> Gang:
         """A live gang of `size` ranks, reset to its start-up state if `module` is new to it."""
         gang = self._gangs.get(size)
-        if gang is not None and gang.alive and gang.lost_ranks():
-            rank = gang.lost_ranks()[0]
+        lost = gang.lost_ranks() if gang is not None and gang.alive else []
+        if lost:
+            rank = lost[0]
             code = self._zygote.exits.get(gang.pids[rank]) if self._zygote else None
             self.notes.append(
                 f"gang of {size}: rank {rank} {describe_exit(code)} between tests; replaced it"
@@ -126,7 +126,6 @@ class GangPool:
             workdir=self._workdir,
         )
         self._gangs[size] = gang
-        self.starts += 1
         try:
             return gang.start()
         except GangError as exc:

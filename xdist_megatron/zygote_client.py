@@ -137,7 +137,10 @@ class ZygoteClient:
         try:
             message = self.conn.recv()
         except (EOFError, OSError):
-            self.process.wait(5)
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
             raise ZygoteError(f"the zygote exited with code {self.process.returncode}") from None
         if message[0] == "exited":
             self.exits[message[1]] = message[2]
