@@ -5,6 +5,7 @@ No heavy imports: benchmark scripts also run as child processes whose start-up i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -79,3 +80,10 @@ def header_lines(title: str, info: dict[str, str | int]) -> list[str]:
         f"load    : {info['load']} (1, 5, 15 min averages at start; other work skews timings)",
         f"command : {command_line()}",
     ]
+
+
+def write_json(path: str, data: object) -> None:
+    """A benchmark's numbers, for the README and for comparing runs."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import os
 import selectors
 import subprocess
@@ -29,7 +28,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import IO, Any
 
-from _util import command_line, header_lines, machine, summarize, table
+from _util import command_line, header_lines, machine, summarize, table, write_json
 
 LOCALHOST = "127.0.0.1"
 START_TIMEOUT = 300.0  # a spawned gang of 8 importing megatron.core needs over a minute on 2 cores
@@ -497,8 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             "per_test": per_test,
             "targets": checks,
         }
-        with open(settings.json_path, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(settings.json_path, record)
     return 0
 
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _util import command_line, header_lines, machine, table
+from _util import command_line, header_lines, machine, table, write_json
 
 RECORDS_VAR = "LANE_RECORDS"
 OUTCOMES_FILE = "outcomes.jsonl"
@@ -738,7 +738,7 @@ def draw_panel(ax: Any, result: dict[str, Any], ids: list[int]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
-def write_json(
+def save_results(
     path: str, settings: Settings, lane_text: str, results: list[dict[str, Any]]
 ) -> None:
     data = {
@@ -749,7 +749,7 @@ def write_json(
         "runs": results,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_json(path, data)
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -791,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     draw_gantt(results, ids, settings.png)
     print(f"Gantt chart: {settings.png}")
     if settings.json_path:
-        write_json(settings.json_path, settings, lane_text, results)
+        save_results(settings.json_path, settings, lane_text, results)
     ok = all(not r["lost"] and r["overlaps"] == 0 and r["returncode"] == 0 for r in results)
     return 0 if ok else 1
 

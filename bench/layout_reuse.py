@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from _util import command_line, header_lines, machine, summarize, table
+from _util import command_line, header_lines, machine, summarize, table, write_json
 
 SUITE_FILE = "test_layout.py"
 CPU_SLOTS = 8
@@ -302,8 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "variants": results,
             "comparison": comparison,
         }
-        with open(settings.json_path, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(settings.json_path, record)
     return 0
 
 

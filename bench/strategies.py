@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _util import command_line, header_lines, machine, table
+from _util import command_line, header_lines, machine, table, write_json
 from lane import (
     CONFTEST_SOURCE,
     RECORDER_SOURCE,
@@ -431,7 +430,7 @@ def write_outputs(
             "runs": results,
         }
         Path(settings.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(settings.json_path).write_text(json.dumps(data, indent=1) + "\n")
+        write_json(settings.json_path, data)
 
 
 def run_all(
