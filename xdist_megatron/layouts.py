@@ -8,7 +8,6 @@ on a layout change, at a module boundary (the reset) and with the gang after a f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 MARKER = "megatron"
@@ -58,12 +57,12 @@ def ensure(layout: Layout, current: Layout | None) -> Layout:
     return layout
 
 
-def switch(
-    wanted: Layout | None, kept: Layout | None, cleanup: Callable[[], None]
-) -> Layout | None:
+def switch(wanted: Layout | None, kept: Layout | None) -> Layout | None:
     """Make `wanted` the live layout (None: no layout), reusing `kept`; returns the kept one."""
     if wanted is not None:
         return ensure(wanted, kept)
     if kept is not None:
-        cleanup()  # this test wants no layout: drop the kept one
+        from . import state
+
+        state.cleanup_after_job()  # this test wants no layout: drop the kept one
     return None

@@ -54,7 +54,7 @@ class TorchrunRank:
             state.restore(self._startup)
         self._module = module
         kept, self._layout = self._layout, None
-        self._layout = layouts.switch(layout, kept, state.cleanup_after_job)
+        self._layout = layouts.switch(layout, kept)
 
     def after_test(self) -> None:
         from . import state

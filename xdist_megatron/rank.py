@@ -266,7 +266,7 @@ class _JobRunner:
         from . import layouts
 
         kept, self.layout = self.layout, None  # None until done: never keep a half-built state
-        self.layout = layouts.switch(layout, kept, self._cleanup)
+        self.layout = layouts.switch(layout, kept)
 
     def _open(self, cls: type) -> None:
         if self.open_class is cls:
