@@ -202,11 +202,6 @@ def test_skip_one(rank):
     assert junit_failures(junit)["test_fail_one"][0].startswith("rank 1 failed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: ranks run without pytest's assertrepr_compare hook, so a failing "
-    "comparison lacks the explanation pytest shows locally (rank.py / importer.py)",
-)
 def test_assertion_explanation_matches_a_local_failure(pytester, run_pytest):
     """The same failing comparison explains itself on a rank as it does in the driver."""
     pytester.makepyfile(
@@ -226,7 +221,9 @@ def test_on_rank():
     )
     result = run_pytest("--megatron-timeout", "20")
     result.assert_outcomes(failed=2)
-    assert result.stdout.str().count("Differing items:") == 2
+    sections = result.stdout.str().split("short test summary info")[0]
+    assert sections.count("Differing items:") == 2
+    assert sections.count("{'b': 2} != {'b': 3}") == 2
 
 
 def test_tb_short_with_k_selection(pytester, run_pytest):

@@ -21,6 +21,7 @@ from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_xdist_make_scheduler,
     pytest_xdist_setupnodes,
 )
+from .explain import ExplainSettings
 from .gang import BASE_PRELOAD, DEFAULT_TIMEOUT, GangError, default_backend, detect_devices
 from .locks import DeviceLocks
 from .placement import DeviceSet
@@ -443,6 +444,7 @@ def _test_job(item: pytest.Function) -> TestJob:
         capture=config.getoption("capture", "fd") != "no",
         teardown_class=item.cls is not None and not same_class_next,
         layout=item.stash.get(LAYOUT, None),
+        explain=ExplainSettings.from_config(config),
     )
 
 

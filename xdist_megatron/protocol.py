@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .explain import ExplainSettings
+
 
 class RankInfo(NamedTuple):
     """Where the calling code runs: returned by `xdist_megatron.rank_info()`."""
@@ -51,6 +53,7 @@ class TestJob:
     capture: bool
     teardown_class: bool  # run teardown_class after this test (the class ends here)
     layout: tuple | None = None  # Megatron layout of @pytest.mark.megatron, kept between tests
+    explain: ExplainSettings = ExplainSettings()  # how to explain a failed comparison
 
 
 @dataclass(frozen=True)

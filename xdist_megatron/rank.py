@@ -227,9 +227,12 @@ class _JobRunner:
     def _run_test(self, job: TestJob) -> RankResult:
         from _pytest.outcomes import Skipped, XFailed
 
+        from .explain import explaining
+
         self.function = None
         try:
-            self._call_test(job)
+            with explaining(job.explain):
+                self._call_test(job)
         except Skipped as exc:
             return RankResult(self.rank, SKIPPED, exc.msg or "skipped")
         except XFailed as exc:
