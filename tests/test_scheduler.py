@@ -236,15 +236,15 @@ def test_held_back_tests_do_not_deadlock(tmp_path, items, workers):
     assert not run.stuck
 
 
-def test_a_held_back_test_reserves_no_device(tmp_path):
-    """A worker holding back its only test runs nothing, so another worker may take a unit on
-    the same devices at once; the device locks order the two should both start. (Unmarked tests
-    on one shared home device: a gang size that fits only once stays with its gang's worker.)"""
-    run = Run(
-        tmp_path, {"a.py::t": None, "b.py::t": None}, workers=2, devices=DeviceSet("cpu", (0,))
-    )
-    run.start()
-    assert run.sends == [(0, ["a.py::t"]), (1, ["b.py::t"])]
+def test_a_worker_is_filled_before_the_next(tmp_path):
+    """A worker given a single test holds it back and reserves nothing, so it gets a second unit
+    before any other worker is served: otherwise the others' work takes its devices and the
+    held-back test waits (two ws8 units: the second would wait for the whole queue)."""
+    items = {"a.py::t": 8, "b.py::t": 8, "c.py::t": 1, "d.py::t": 1}
+    run = Run(tmp_path, items, workers=4).start()
+    assert run.sends == [(0, ["a.py::t"]), (0, ["b.py::t"])]
+    run.complete(run.workers[0])
+    assert run.sends[2] == (0, ["c.py::t"]), "the held-back worker is served first"
     run.finish()
     assert not run.stuck
 
@@ -327,6 +327,18 @@ def test_all_workers_shut_down_once_the_queue_is_empty(tmp_path):
     assert all(w.shutting_down for w in run.workers)
     run.finish()
     assert sorted(run.completed) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_size_that_fits_once_runs_on_one_gang(tmp_path, seed):
+    """ws8 on 8 devices can run on one worker at a time anyway: all six modules' ws8 tests go
+    to the worker that has that gang, instead of each worker forking one of its own."""
+    items = {f"m{m}.py::t{i}": size for m in range(6) for i, size in enumerate((8, 4, 1, 1))}
+    run = Run(tmp_path, items, workers=4).start()
+    run.finish(seed)
+    ws8_workers = {w for w, nodeids in run.sends if items[nodeids[0]] == 8}
+    assert len(ws8_workers) == 1, run.sends
+    assert not run.stuck and not run.overlapping_sends
 
 
 def test_identical_inputs_give_identical_assignments(tmp_path):

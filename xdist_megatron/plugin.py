@@ -499,38 +499,45 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # -- fixtures ---------------------------------------------------------------------------------
 
 
-def _driver_info(request: pytest.FixtureRequest) -> RankInfo:
-    runtime = request.config.stash[RUNTIME]
-    if runtime.torchrun is not None:
-        return runtime.torchrun.info
-    import torch
-
-    device = torch.device("cuda", 0) if runtime.devices.is_cuda else torch.device("cpu")
-    return RankInfo(0, 1, 0, device)
+def _torchrun_info(request: pytest.FixtureRequest) -> RankInfo | None:
+    """This process's rank under torchrun; None in a driver (which is rank 0 of a world of 1)."""
+    torchrun = request.config.stash[RUNTIME].torchrun
+    return torchrun.info if torchrun is not None else None
 
 
 @pytest.fixture
 def rank(request: pytest.FixtureRequest) -> int:
     """This rank's global rank (0 in the driver)."""
-    return _driver_info(request).rank
+    info = _torchrun_info(request)
+    return info.rank if info else 0
 
 
 @pytest.fixture
 def world_size(request: pytest.FixtureRequest) -> int:
     """Number of ranks in the test's gang (1 in the driver)."""
-    return _driver_info(request).world_size
+    info = _torchrun_info(request)
+    return info.world_size if info else 1
 
 
 @pytest.fixture
 def local_rank(request: pytest.FixtureRequest) -> int:
     """This rank's index on its host (0 in the driver)."""
-    return _driver_info(request).local_rank
+    info = _torchrun_info(request)
+    return info.local_rank if info else 0
 
 
 @pytest.fixture
 def device(request: pytest.FixtureRequest) -> Any:
     """torch.device of this rank: its own GPU, or the CPU."""
-    return _driver_info(request).device
+    info = _torchrun_info(request)
+    if info:
+        return info.device
+    if runs_on_ranks(request.node):  # the ranks compute their own: the driver need not import torch
+        return None
+    import torch
+
+    is_cuda = request.config.stash[RUNTIME].devices.is_cuda
+    return torch.device("cuda", 0) if is_cuda else torch.device("cpu")
 
 
 class GangHandle:

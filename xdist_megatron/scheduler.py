@@ -3,7 +3,9 @@
 Units are all tests of one module with one world size (unmarked tests: one unit per module, on
 the worker's home device). The largest sizes go first, then the longest known durations; a worker
 gets a unit only when the unit's devices are free of every other worker's pending work, so gangs
-on disjoint devices run at once. Device locks in the workers keep this safe even when the
+on disjoint devices run at once. A worker holding back a test is served first and filled to two
+pending tests before the next worker, and a unit goes to the worker that already has a gang of
+its size on the same devices. Device locks in the workers keep this safe even when the
 scheduler has to break a wait (see `_unblock`).
 """
 
@@ -60,6 +62,7 @@ class MegatronScheduling:
         self.collection: list[str] | None = None
         self.infos: dict[str, ItemInfo] = {}
         self.index_of: dict[str, int] = {}
+        self.sizes_sent: dict[Any, set[int | None]] = {}  # the gang sizes each worker has
 
     # -- the protocol -----------------------------------------------------------------------
 
@@ -148,9 +151,12 @@ class MegatronScheduling:
         while self.queue and progress:
             progress = False
             hungry = [n for n in self._workers() if len(self.pending[n]) < 2]
-            hungry.sort(key=lambda n: (len(self.pending[n]), self._choices(n)))
+            # A worker holding back a test first: more work lets that test start.
+            hungry.sort(key=lambda n: (-len(self.pending[n]), self._choices(n)))
             for node in hungry:
-                if self._assign_fitting(node):
+                # Fill one worker before the next: a worker given a single test holds it back
+                # (reserving nothing) while the others' work would take its devices.
+                while len(self.pending[node]) < 2 and self._assign_fitting(node, hungry):
                     progress = True
         if self.queue:
             self._unblock()
@@ -181,14 +187,33 @@ class MegatronScheduling:
     def _worker_index(self, node: Any) -> int:
         return int(node.workerinput[INPUT_KEY]["worker"])
 
-    def _assign_fitting(self, node: Any) -> bool:
+    def _assign_fitting(self, node: Any, hungry: list[Any]) -> bool:
+        """Send `node` the first unit that fits beside the running work, unless another hungry
+        worker with the same devices for that unit already has a gang of its size."""
         busy = self._occupied(exclude=node)
         worker = self._worker_index(node)
         for unit in self.queue:
-            if busy & placement.positions(self.devices, worker, unit.size):
+            devices = placement.positions(self.devices, worker, unit.size)
+            if busy & devices or self._gang_elsewhere(node, unit, devices, hungry):
                 continue
             self._send(node, unit)
             return True
+        return False
+
+    def _gang_elsewhere(self, node: Any, unit: Unit, devices: frozenset[int], hungry: list) -> bool:
+        """Whether a hungry worker other than `node` has run gangs of the unit's size on the
+        same devices, where the unit fits too: it reuses its gang instead of `node` forking one,
+        and no parallelism is lost (both would run the unit on the same devices)."""
+        if unit.size is None or unit.size in self.sizes_sent.get(node, ()):
+            return False
+        for other in hungry:
+            if other is node or unit.size not in self.sizes_sent.get(other, ()):
+                continue
+            index = self._worker_index(other)
+            if placement.positions(self.devices, index, unit.size) != devices:
+                continue
+            if not self._occupied(exclude=other) & devices:
+                return True
         return False
 
     def _unblock(self) -> None:
@@ -205,10 +230,10 @@ class MegatronScheduling:
     def _occupied(self, exclude: Any) -> frozenset[int]:
         devices: set[int] = set()
         for node, indices in self.pending.items():
-            # A worker with one pending test holds it back until more work arrives: it runs
-            # nothing, so its devices are free; should it start that test later, the device
-            # locks make it wait its turn.
-            if node is exclude or len(indices) < 2:
+            # A worker with one pending test holds it back until more work (or shutdown)
+            # arrives: it runs nothing, so its devices are free; should it start that test
+            # later, the device locks make it wait its turn.
+            if node is exclude or (len(indices) < 2 and not node.shutting_down):
                 continue
             worker = self._worker_index(node)
             for index in indices:
@@ -221,6 +246,7 @@ class MegatronScheduling:
         self.queue.remove(unit)
         indices = [self.index_of[nodeid] for nodeid in unit.nodeids]
         self.pending[node].extend(indices)
+        self.sizes_sent.setdefault(node, set()).add(unit.size)
         node.send_runtest_some(indices)
         self._log(f"{node.gateway.id}: {unit.module} ws{unit.size} x{len(indices)}")
 
