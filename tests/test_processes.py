@@ -192,3 +192,31 @@ def test_ctrl_c_interrupts_a_hanging_test_and_leaves_nothing(pytester, tag, fact
     assert "KeyboardInterrupt" in output
     assert_no_processes_left(tag, within=5)
     assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
+
+
+def test_packages_outside_the_project_are_preloaded(
+    pytester, run_pytest, tmp_path_factory, monkeypatch
+):
+    """A package on PYTHONPATH outside the rootdir (a `pip install --target` folder) is
+    third-party: the zygote imports it once, so a rank finds it already imported by its parent;
+    the project's own helper module is not preloaded (each rank imports it)."""
+    vendored = tmp_path_factory.mktemp("vendored")
+    (vendored / "vendored_lib").mkdir()
+    (vendored / "vendored_lib" / "__init__.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
+    pytester.makepyfile(
+        local_helper="import os\nIMPORTED_BY = os.getpid()\n",
+        test_preload="""
+import os
+import local_helper
+import pytest
+import vendored_lib
+
+@pytest.mark.world_size(1)
+def test_where_imported():
+    assert vendored_lib.IMPORTED_BY == os.getppid()  # the zygote
+    assert local_helper.IMPORTED_BY == os.getpid()  # this rank
+""",
+    )
+    monkeypatch.setenv("PYTHONPATH", str(vendored), prepend=os.pathsep)
+    result = run_pytest("--megatron-timeout", "60")
+    result.assert_outcomes(passed=1)

@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Callable, Generator
 from typing import Any
@@ -213,7 +214,8 @@ class Runtime:
         if configured:
             return list(dict.fromkeys([*BASE_PRELOAD, *configured]))
         items = self.config.stash.get(ITEMS, [])
-        return list(dict.fromkeys([*BASE_PRELOAD, *_third_party_imports(items)]))
+        found = _third_party_imports(items, str(self.config.rootpath))
+        return list(dict.fromkeys([*BASE_PRELOAD, *found]))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -224,8 +226,9 @@ class Runtime:
             self._session_dir = None
 
 
-def _third_party_imports(items: list[pytest.Item]) -> list[str]:
-    """Modules the collected test modules imported that live in site-packages."""
+def _third_party_imports(items: list[pytest.Item], rootdir: str) -> list[str]:
+    """Modules the collected test modules imported that are third-party code (see
+    `_is_third_party`)."""
     found: set[str] = set()
     test_modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m is not None}
     for module in test_modules.values():
@@ -235,31 +238,43 @@ def _third_party_imports(items: list[pytest.Item]) -> list[str]:
             else:
                 source = getattr(value, "__module__", None)
             if isinstance(source, str):
-                found |= _preloadable(source)
+                found |= _preloadable(source, rootdir)
     return sorted(found)
 
 
-def _preloadable(module_name: str) -> set[str]:
+def _preloadable(module_name: str, rootdir: str) -> set[str]:
     """The module if it is third-party code; for a namespace package (`import megatron.core`
     binds `megatron`, which has no file), its imported third-party children."""
     if module_name.partition(".")[0] in NOT_PRELOADED:
         return set()
     module = sys.modules.get(module_name)
     if getattr(module, "__file__", None):
-        return {module_name} if _in_site_packages(module) else set()
+        return {module_name} if _is_third_party(module, rootdir) else set()
     depth = module_name.count(".") + 1
     return {
         name
         for name, child in list(sys.modules.items())
         if name.startswith(module_name + ".")
         and name.count(".") == depth
-        and _in_site_packages(child)
+        and _is_third_party(child, rootdir)
     }
 
 
-def _in_site_packages(module: Any) -> bool:
-    path = getattr(module, "__file__", None) or ""
-    return "site-packages" in path or "dist-packages" in path
+def _is_third_party(module: Any, rootdir: str) -> bool:
+    """Installed code: in a site-packages folder, or outside both the project (the rootdir) and
+    the standard library (a `pip install --target` folder or a vendored tree on PYTHONPATH)."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    if "site-packages" in path or "dist-packages" in path:
+        return True
+    path = os.path.realpath(path)
+    stdlib = {os.path.realpath(sysconfig.get_path(n)) for n in ("stdlib", "platstdlib")}
+    return not any(_inside(path, folder) for folder in {*stdlib, os.path.realpath(rootdir)})
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
 
 
 # -- collection -------------------------------------------------------------------------------
