@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from _memory import PeakMemory
 from _util import table
 
 RECORDS_VAR = "LANE_RECORDS"
@@ -190,6 +191,8 @@ class Run:
     sent: dict[str, float]
     logstarts: dict[str, float]
     outcomes: dict[str, str]
+    host_peak: int = 0  # bytes of PSS of the run's processes at their peak
+    gpu_peak: int | None = None  # bytes in use on the GPUs at the peak (None: no GPU)
 
 
 @dataclass
@@ -291,11 +294,12 @@ def run_lane(folder: Path, command: list[str], label: str) -> Run:
         command, cwd=folder, env={**os.environ, RECORDS_VAR: str(records)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    with PeakMemory(proc.pid) as memory:
+        try:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
     finished = time.time()
     lines = output.strip().splitlines()
     summary = lines[-1] if lines else ""
@@ -316,6 +320,8 @@ def run_lane(folder: Path, command: list[str], label: str) -> Run:
         sent=sent,
         logstarts=logstarts,
         outcomes=final_outcomes(read_jsonl(records.glob(OUTCOMES_FILE))),
+        host_peak=memory.host_peak,
+        gpu_peak=memory.gpu_peak,
     )
 
 
@@ -498,6 +504,8 @@ def analyse(run: Run, lane: list[LaneTest], ids: list[int]) -> dict[str, Any]:
         "zygote_time_in_phase": sum(clipped(span, first, last) for span in zygotes),
         "gap_median": statistics.median(gaps) if gaps else 0.0,
         "after_last_job": run.finished - last,
+        "host_peak_gib": run.host_peak / 2**30,
+        "gpu_peak_gib": None if run.gpu_peak is None else run.gpu_peak / 2**30,
         "jobs": [relative_job(job, first) for job in jobs],
         "spans": [(what, devices, s - first, e - first) for what, devices, s, e in waits + zygotes],
     }
@@ -541,7 +549,13 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("  their start-up there, summed (s)", lambda r: f"{r['zygote_time_in_phase']:.1f}"),
     ("gap between a worker's tests, median (ms)", lambda r: f"{1000 * r['gap_median']:.0f}"),
     ("last job end to pytest exit (s)", lambda r: f"{r['after_last_job']:.1f}"),
+    ("peak memory: host PSS (GiB)", lambda r: f"{r['host_peak_gib']:.2f}"),
+    ("peak memory: GPUs in use (GiB)", lambda r: gib(r["gpu_peak_gib"])),
 ]
+
+
+def gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def outcome_counts(result: dict[str, Any]) -> str:

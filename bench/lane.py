@@ -376,6 +376,8 @@ def merge(runs: list[Run], sizes: list[int | None], lane: list[LaneTest], label:
         launched=runs[0].launched,
         finished=runs[-1].finished,
         returncode=max(run.returncode for run in runs),
+        host_peak=max(run.host_peak for run in runs),
+        gpu_peak=None if runs[0].gpu_peak is None else max(run.gpu_peak or 0 for run in runs),
         summary=" | ".join(run.summary for run in runs),
         records=[record for run in runs for record in run.records],
         sent={job: t for run in runs for job, t in run.sent.items()},
@@ -420,7 +422,8 @@ def ideal_row(lane: list[LaneTest], ids: list[int]) -> dict[str, Any]:
 
 
 def rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    """strategy, wall, makespan, gang starts, passed/failed/lost, ratios, speedups over (c)."""
+    """strategy, wall, makespan, gang starts, passed/failed/lost, ratios, speedups over (c),
+    peak memory."""
     ideal = next(r for r in results if r["key"] == "f")
     base = next((r for r in results if r["key"] == BASELINE), None)
     base_wall = base["wall"] if base else float("nan")
@@ -439,6 +442,7 @@ def rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 f"{r['test_phase'] / ideal['test_phase']:.2f}",
                 f"{base_wall / r['wall']:.2f}",
                 f"{base_phase / r['test_phase']:.2f}",
+                f"{r['host_peak_gib']:.2f}" if "host_peak_gib" in r else "-",
             ]
         )
     return table_rows
@@ -454,6 +458,7 @@ HEADERS = [
     "makespan / ideal",
     "speedup over c: wall",
     "makespan",
+    "peak host PSS (GiB)",
 ]
 
 
