@@ -4,7 +4,7 @@ Every test sleeps its duration, then all-reduces a tensor over its world's defau
 records its span (bench/_lane.py's recorder and analysis). Every module imports a heavy package
 (megatron.core where installed). The strategies:
 
-  a. `pytest -n W --dist megatron` (this plugin; W: -n auto on GPUs, one worker per CPU slot);
+  a. `pytest -n auto --dist megatron` (this plugin: a worker per GPU, else per core);
   b. plain `pytest`: serial, one gang per world size for the session;
   c. plain `pytest -o megatron_gang_scope=module`: a fresh gang per module;
   d. `python -m torch.distributed.run --nproc-per-node k -m pytest` once per world size k (the
@@ -151,7 +151,7 @@ class Strategy:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workers", default="auto", help="-n of (a) (default: auto on GPUs, else one per slot)"
+        "--workers", default="auto", help="-n of (a) (default auto: the GPUs, else the cores)"
     )
     parser.add_argument("--devices", help="--megatron-devices (default: the GPUs, else cpu:8)")
     parser.add_argument("--modules", type=int, help="test modules (default 4, quick 3)")
@@ -196,10 +196,6 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if args.unmarked and set(args.only) - {"a"}:
         raise SystemExit("--unmarked needs --only a: the other strategies run marked tests only")
     workers = args.workers
-    if workers == "auto" and devices.startswith("cpu:"):
-        # A slot is a sleeping rank here, not a core: one worker per slot, as -n auto gives on a
-        # runner with as many cores as slots.
-        workers = devices[len("cpu:") :]
     heavy = (
         args.heavy_import
         if args.heavy_import and importlib.util.find_spec(args.heavy_import.split(".")[0])
