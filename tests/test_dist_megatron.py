@@ -329,6 +329,31 @@ def test_workers_keep_xdist_ids(pytester, run_pytest):
     result.stdout.no_fnmatch_line("*/4 workers*")
 
 
+SHARED_ZYGOTE_SUITE = """
+import json, os
+import pytest
+
+@pytest.mark.world_size(2)
+def test_record(rank):
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    if rank == 0:
+        with open(os.path.join(os.environ["FACTS_DIR"], worker + ".json"), "w") as f:
+            json.dump({"parent": os.getppid(), "devices": os.environ["XDIST_MEGATRON_DEVICES"]}, f)
+"""
+
+
+def test_workers_share_one_zygote(pytester, run_pytest, monkeypatch, tmp_path):
+    """The workers fork their ranks from one zygote (the heavy packages are imported once per
+    host, not once per worker), and each rank still sees its own worker's environment."""
+    pytester.makepyfile(test_shared=SHARED_ZYGOTE_SUITE)
+    monkeypatch.setenv("FACTS_DIR", str(tmp_path))
+    result = run_pytest("-n", "2", "--dist", "each", "--megatron-devices", "cpu:4")
+    result.assert_outcomes(passed=2)
+    facts = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("gw0", "gw1")}
+    assert facts["gw0"]["parent"] == facts["gw1"]["parent"], facts
+    assert (facts["gw0"]["devices"], facts["gw1"]["devices"]) == ("0,1", "2,3")
+
+
 STOP_SUITE = {
     "test_a_gang": """
 import time

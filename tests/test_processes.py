@@ -152,11 +152,22 @@ def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):
     assert not [m for m in loaded if m.rpartition(".")[2].startswith(("test_", "conftest"))]
 
 
-def start_blocked_session(pytester: pytest.Pytester, facts_dir: Path) -> subprocess.Popen:
+def start_blocked_session(
+    pytester: pytest.Pytester, facts_dir: Path, *args: str
+) -> subprocess.Popen:
     """pytest in a subprocess, returned once both ranks of its ws2 test are inside the test."""
     pytester.makepyfile(test_block=BLOCKING)
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--megatron-timeout", "300"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--megatron-timeout",
+            "300",
+            *args,
+        ],
         cwd=pytester.path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -177,6 +188,18 @@ def test_sigkill_of_the_driver_takes_the_gang_down(pytester, tag, facts_dir):
     os.kill(process.pid, signal.SIGKILL)
     process.communicate()
     assert_no_processes_left(tag, within=5)
+    assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
+
+
+def test_sigkill_of_the_xdist_controller_takes_workers_zygote_and_ranks_down(
+    pytester, tag, facts_dir
+):
+    """Under xdist the workers share the controller's zygote: killing the controller with
+    SIGKILL still leaves no worker, zygote or rank behind."""
+    process = start_blocked_session(pytester, facts_dir, "-n", "2", "--dist", "megatron")
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate()
+    assert_no_processes_left(tag, within=15)
     assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
 
 

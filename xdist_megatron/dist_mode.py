@@ -96,6 +96,7 @@ def pytest_configure_node(node: Any) -> None:
         "devices": placement.to_dict(runtime.devices),
         "session_dir": runtime.session_dir,
         "lock_dir": runtime.lock_dir,
+        "zygote": runtime.host_zygote(),
     }
 
 

@@ -116,6 +116,7 @@ class Gang:
 
     def _spec(self, rank: int, port: int) -> RankSpec:
         env = {
+            **os.environ,  # the ranks see the driver's environment, as torchrun's would
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),

@@ -9,6 +9,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import uuid
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -30,7 +31,7 @@ from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
 from .protocol import FAILED, PASSED, SKIPPED, XFAILED, CleanupJob, RankInfo, TestJob
 from .reporting import RankFailures, RankFailuresRepr
 from .scheduler import INPUT_KEY
-from .zygote_client import ZygoteError
+from .zygote_client import ZygoteClient, ZygoteError
 
 NATIVE_FIXTURES = ("rank", "world_size", "local_rank", "device")
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
@@ -39,6 +40,7 @@ RUNTIME = pytest.StashKey["Runtime"]()
 WORLD_SIZE = pytest.StashKey[int]()
 NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
 FIXTURE_BLOB = pytest.StashKey[bytes]()
+HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
 RESULTS = pytest.StashKey[list]()
 TIMEOUT = pytest.StashKey[float]()
 ITEMS = pytest.StashKey[list]()
@@ -134,6 +136,7 @@ class Runtime:
         self.scope = scope
         self._devices: DeviceSet | None = None
         self._pool: GangPool | None = None
+        self._host_zygote: ZygoteClient | None = None
 
     @property
     def devices(self) -> DeviceSet:
@@ -178,8 +181,25 @@ class Runtime:
                 self.worker,
                 self.scope,
                 quiet_zygote=self.config.getoption("capture") != "no",
+                host_zygote=self.xdist.get("zygote") if self.xdist else None,
+                host_zygote_log=os.path.join(self.session_dir, HOST_ZYGOTE_LOG),
             )
         return self._pool
+
+    def host_zygote(self) -> str:
+        """In the xdist controller: the address of the zygote every worker shares, started on
+        first use with the configured preloads (each worker adds the ones it detected)."""
+        if self._host_zygote is None:
+            configured = self.config.getini("megatron_preload")
+            quiet = self.config.getoption("capture") != "no"
+            log = os.path.join(self.session_dir, HOST_ZYGOTE_LOG)
+            with open(log, "ab") if quiet else contextlib.nullcontext() as output:
+                self._host_zygote = ZygoteClient(
+                    list(dict.fromkeys([*BASE_PRELOAD, *configured])),
+                    output,
+                    address=f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                )
+        return self._host_zygote.address
 
     def home_device_held(self) -> contextlib.AbstractContextManager:
         """Under xdist, an unmarked test holds its worker's home device like a gang would."""
@@ -221,6 +241,9 @@ class Runtime:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._host_zygote is not None:
+            self._host_zygote.close()
+            self._host_zygote = None
         if not self.xdist and self._session_dir is not None:  # workers use the controller's
             shutil.rmtree(self._session_dir, ignore_errors=True)
             self._session_dir = None

@@ -32,6 +32,8 @@ class GangPool:
         worker: int = 0,
         scope: str = SESSION_SCOPE,
         quiet_zygote: bool = True,
+        host_zygote: str | None = None,
+        host_zygote_log: str | None = None,
     ) -> None:
         self.devices = devices
         self.locks = locks
@@ -45,11 +47,16 @@ class GangPool:
         self._gangs: dict[int, Gang] = {}
         self._zygote: ZygoteClient | None = None
         self._checked: ZygoteClient | None = None  # the zygote whose preload failures are noted
+        self._host_zygote = host_zygote  # the address of a shared zygote, tried first
+        self._host_zygote_log = host_zygote_log
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self._log: IO[bytes] | None = None
 
     @property
     def zygote_log(self) -> str:
+        """Where the ranks' output outside their tests goes (the shared zygote's, if used)."""
+        if self._zygote is not None and self._zygote.process is None and self._host_zygote_log:
+            return self._host_zygote_log
         return os.path.join(self._workdir, "zygote.log")
 
     def block(self, size: int) -> tuple[int, ...]:
@@ -145,6 +152,13 @@ class GangPool:
             self._zygote = self._spawn(self._preload())
 
     def _spawn(self, preload: list[str]) -> ZygoteClient:
+        """Join the shared zygote on first use; else (or once it failed) start our own."""
+        if self._host_zygote is not None:
+            address, self._host_zygote = self._host_zygote, None
+            try:
+                return ZygoteClient.connect(address, preload)
+            except OSError as exc:
+                self.notes.append(f"the shared zygote did not answer ({exc}); started our own")
         return ZygoteClient(preload, self._log_file(), standby=self._largest_size())
 
     def _live_zygote(self) -> ZygoteClient:

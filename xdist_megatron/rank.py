@@ -38,6 +38,7 @@ from .protocol import (
 )
 
 STACK_SIGNAL = signal.SIGUSR1
+ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"  # set in the zygote: this process is a gang's rank
 _WATCH_INTERVAL = 0.5
 
 _info: RankInfo | None = None
@@ -57,8 +58,12 @@ def rank_info() -> RankInfo:
 
 def run_rank(spec: RankSpec, sock_fd: int) -> int:
     """Body of a forked rank process; returns its exit code."""
-    _watch_parents(int(os.environ["XDIST_MEGATRON_ZYGOTE"]), spec.driver_pid)
+    zygote_pid = os.environ[ZYGOTE_VAR]
+    _watch_parents(int(zygote_pid), spec.driver_pid)
+    # The driver's environment, not the zygote's: a shared zygote was started by another process.
+    os.environ.clear()
     os.environ.update(spec.env)
+    os.environ[ZYGOTE_VAR] = zygote_pid
     conn = Connection(sock_fd)
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)

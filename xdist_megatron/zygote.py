@@ -1,9 +1,13 @@
 """The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
 
-Started by the driver as `python -m xdist_megatron.zygote FD PRELOAD_JSON`, with FD one end of a
-socket pair. It never initialises CUDA, so its forks can. Requests arrive on FD; the rank ends of
-the ranks' socket pairs arrive with a "fork" request as SCM_RIGHTS ancillary data. It reports each
-child's exit (code or signal) as soon as it reaps it, and kills every child when the driver goes.
+Started by its owner as `python -m xdist_megatron.zygote FD PRELOAD_JSON STANDBY [ADDRESS]`, with
+FD one end of a socket pair; with ADDRESS it also listens on that abstract Unix socket for more
+drivers (the workers of an xdist run share the controller's zygote: one import of the heavy
+packages per host instead of one per worker). It never initialises CUDA, so its forks can.
+Requests arrive on each driver's socket; the rank ends of the ranks' socket pairs arrive with a
+"fork" request as SCM_RIGHTS ancillary data. It reports each rank's exit (code or signal) to its
+driver as soon as it reaps it, kills a driver's ranks when that driver goes, and every child when
+the owner goes.
 """
 
 from __future__ import annotations
@@ -69,13 +73,38 @@ def _fork_keeps_cuda_usable() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
-class Zygote:
-    """The request loop: fork, signal and reap ranks on behalf of one driver."""
+class Client:
+    """One driver's connection: its requests, its ranks' sockets (SCM_RIGHTS), its ranks."""
 
-    def __init__(self, fd: int, standby_target: int) -> None:
-        self.conn = Connection(fd)
-        self.sock = socket.socket(fileno=os.dup(fd))
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
         self.children: set[int] = set()
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:  # the driver is gone; its EOF is handled in the request loop
+            pass
+
+    def close(self) -> None:
+        self.conn.close()
+        self.sock.close()
+
+
+class Zygote:
+    """The request loop: fork, signal and reap ranks on behalf of its drivers.
+
+    The owner (the process that started the zygote) is connected through the inherited socket;
+    with a listening socket, more drivers connect (the workers of one xdist run share the
+    controller's zygote). A driver that disconnects takes its ranks with it; the owner, all."""
+
+    def __init__(self, fd: int, standby_target: int, listener: socket.socket | None) -> None:
+        self.owner = Client(socket.socket(fileno=fd))
+        self.clients = [self.owner]
+        self.listener = listener
+        self.owner_of: dict[int, Client] = {}  # rank pid -> its driver
+        self.children: set[int] = set()  # ranks and standby ranks
         # Forked ahead of need, each waiting on its socket for a RankSpec and its rank socket:
         # forking a zygote that holds torch and megatron costs 20-50 ms a process.
         self.standby: list[tuple[int, socket.socket]] = []
@@ -88,36 +117,56 @@ class Zygote:
     def serve(self) -> None:
         while True:
             idle_work = len(self.standby) < self.standby_target
-            ready = wait([self.conn, self.wake_r], 0 if idle_work else None)
+            sources: list[Any] = [c.conn for c in self.clients] + [self.wake_r]
+            if self.listener is not None:
+                sources.append(self.listener)
+            ready = wait(sources, 0 if idle_work else None)
             if self.wake_r in ready:
                 os.read(self.wake_r, 4096)
             self._reap()
-            if self.conn in ready and not self._handle_request():
-                return
+            if self.listener is not None and self.listener in ready:
+                self.clients.append(Client(self.listener.accept()[0]))
+            for client in [c for c in self.clients if c.conn in ready]:
+                if not self._handle_request(client):
+                    return
             if not ready:
                 self._add_standby()
 
-    def _handle_request(self) -> bool:
+    def _handle_request(self, client: Client) -> bool:
+        """Serve one request; False once the zygote must stop."""
         try:
-            request = self.conn.recv()
+            request = client.conn.recv()
         except (EOFError, OSError):
-            self._kill_all(signal.SIGKILL)
-            return False
+            request = ("exit",)
         kind = request[0]
         if kind == "fork":
-            self.conn.send(("forked", self._fork(request[1])))
+            client.send(("forked", self._fork(client, request[1])))
         elif kind == "signal":
             _, pids, signum = request
             for pid in pids:
-                if pid in self.children:
+                if pid in client.children:
                     os.kill(pid, signum)
+        elif kind == "preload":
+            failures = preload([m for m in request[1] if m not in sys.modules])
+            gc.freeze()
+            client.send(("ready", failures, os.getpid()))
+            if any("CUDA" in reason for reason in failures.values()):
+                self._kill(self.children)
+                return False  # no fork of this zygote could use the GPU now
         elif kind == "exit":
-            self._kill_all(signal.SIGKILL)
-            return False
+            if client is self.owner:
+                self._kill(self.children)
+                return False
+            self._disconnect(client)
         return True
 
-    def _fork(self, specs: list) -> list[int]:
-        _, fds, _, _ = socket.recv_fds(self.sock, 1, len(specs))
+    def _disconnect(self, client: Client) -> None:
+        self._kill(client.children)
+        self.clients.remove(client)
+        client.close()
+
+    def _fork(self, client: Client, specs: list) -> list[int]:
+        _, fds, _, _ = socket.recv_fds(client.sock, 1, len(specs))
         self.standby_target = max(self.standby_target, len(specs))
         pids = []
         for spec, fd in zip(specs, fds, strict=True):
@@ -131,6 +180,8 @@ class Zygote:
                     self._become_rank(lambda spec=spec, fd=fd: (spec, fd))
             os.close(fd)
             self.children.add(pid)
+            client.children.add(pid)
+            self.owner_of[pid] = client
             pids.append(pid)
         return pids
 
@@ -156,8 +207,10 @@ class Zygote:
                 os.close(own)
             for _, control in self.standby:
                 control.close()
-            self.sock.close()
-            self.conn.close()
+            for client in self.clients:
+                client.close()
+            if self.listener is not None:
+                self.listener.close()
             from .rank import run_rank
 
             spec, fd = assignment()
@@ -182,21 +235,22 @@ class Zygote:
                 return
             self.children.discard(pid)
             self.standby = [(p, c) for p, c in self.standby if p != pid]
-            self.conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+            client = self.owner_of.pop(pid, None)
+            if client is not None:
+                client.children.discard(pid)
+                client.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
-    def _kill_all(self, signum: int) -> None:
-        for pid in list(self.children):
+    def _kill(self, pids: set[int]) -> None:
+        """SIGKILL these children and reap them (their drivers learn of each exit)."""
+        for pid in list(pids):
             try:
-                os.kill(pid, signum)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 5
-        while self.children and time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            self.children.discard(pid)
+        while pids & self.children and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
 
 
 def _await_assignment(control: socket.socket) -> tuple[Any, int]:
@@ -218,6 +272,8 @@ def _die_with_zygote() -> None:
 def main(argv: list[str]) -> int:
     fd = int(argv[1])
     modules = list(BASE_PRELOAD) + [m for m in json.loads(argv[2]) if m not in BASE_PRELOAD]
+    standby = int(argv[3]) if len(argv) > 3 else 0
+    address = argv[4] if len(argv) > 4 else None
     os.environ["XDIST_MEGATRON_ZYGOTE"] = str(os.getpid())
     # torch.cuda.is_available() through NVML does not touch the CUDA driver, so a package
     # that asks at import time leaves the zygote safe to fork.
@@ -225,13 +281,18 @@ def main(argv: list[str]) -> int:
     # Libraries may leave idle helper threads behind at import; only the forking thread
     # continues in a rank, which is what a fork server relies on.
     warnings.filterwarnings("ignore", ".*multi-threaded.*fork", DeprecationWarning)
+    listener = None
+    if address is not None:  # other drivers connect here (an abstract Unix socket), and may
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # queue while we import
+        listener.bind("\0" + address)
+        listener.listen(128)
     failures = preload(modules)
     # Everything imported so far lives as long as every rank: keep it out of every later
     # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
     gc.collect()
     gc.freeze()
-    zygote = Zygote(fd, int(argv[3]) if len(argv) > 3 else 0)
-    zygote.conn.send(("ready", failures, os.getpid()))
+    zygote = Zygote(fd, standby, listener)
+    zygote.owner.send(("ready", failures, os.getpid()))
     if any("CUDA" in reason for reason in failures.values()):
         return 1
     zygote.serve()

@@ -24,23 +24,35 @@ class ZygoteError(RuntimeError):
 
 
 class ZygoteClient:
-    """One zygote process, owned by one driver."""
+    """A driver's connection to a zygote: one it started (and owns), or, with `connect`, the one
+    another process started and shares (the controller's, for every worker of an xdist run)."""
 
-    def __init__(self, preload: list[str], log: IO[bytes] | None, standby: int = 0) -> None:
+    def __init__(
+        self,
+        preload: list[str],
+        log: IO[bytes] | None,
+        standby: int = 0,
+        address: str | None = None,
+    ) -> None:
+        """Start a zygote; with `address`, it also accepts `connect` from other drivers."""
         self.preload = preload
+        self.address = address
         self.exits: dict[int, int] = {}
         ours, theirs = socket.socketpair()
         self._sock = ours
         self.conn = Connection(os.dup(ours.fileno()))
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "xdist_megatron.zygote",
-                str(theirs.fileno()),
-                json.dumps(preload),
-                str(standby),
-            ],
+        self._lost = False
+        command = [
+            sys.executable,
+            "-m",
+            "xdist_megatron.zygote",
+            str(theirs.fileno()),
+            json.dumps(preload),
+            str(standby),
+            *([address] if address else []),
+        ]
+        self.process: subprocess.Popen | None = subprocess.Popen(
+            command,
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -52,15 +64,34 @@ class ZygoteClient:
         self.pid = self.process.pid
         self._failures: dict[str, str] | None = None
 
+    @classmethod
+    def connect(cls, address: str, preload: list[str]) -> ZygoteClient:
+        """Join the zygote listening at `address`; it imports what `preload` adds to its own."""
+        client = cls.__new__(cls)
+        client.preload = preload
+        client.address = address
+        client.exits = {}
+        client._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client._sock.connect("\0" + address)
+        client.conn = Connection(os.dup(client._sock.fileno()))
+        client._lost = False
+        client.process = None
+        client._failures = None
+        client.pid = None  # known with the zygote's "ready"
+        client.conn.send(("preload", preload))
+        return client
+
     @property
     def preload_failures(self) -> dict[str, str]:
         """{module: why} for preloads that failed; waits until the zygote has finished them."""
         if self._failures is None:
-            _, self._failures, _ = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
+            _, self._failures, self.pid = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
         return self._failures
 
     @property
     def alive(self) -> bool:
+        if self.process is None:
+            return not self._lost
         return self.process.poll() is None
 
     def fork(self, specs: list[RankSpec], fds: list[int]) -> list[int]:
@@ -103,7 +134,11 @@ class ZygoteClient:
             self.exit_code(pid, max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        """Stop the zygote; it kills any rank still alive first."""
+        """Stop the zygote, or leave a shared one; either kills this driver's ranks first."""
+        if self.process is None:
+            self.conn.close()
+            self._sock.close()
+            return
         if self.alive:
             try:
                 self.conn.send(("exit",))
@@ -125,9 +160,7 @@ class ZygoteClient:
                 raise ZygoteError(f"the zygote did not answer {what!r} within {timeout:.0f} s")
             if not wait([self.conn], min(remaining, 1.0)):
                 if not self.alive:
-                    raise ZygoteError(
-                        f"the zygote exited with code {self.process.returncode} during {what!r}"
-                    )
+                    raise ZygoteError(f"the zygote {self._gone()} during {what!r}")
                 continue
             message = self._read()
             if message[0] != "exited":
@@ -137,14 +170,21 @@ class ZygoteClient:
         try:
             message = self.conn.recv()
         except (EOFError, OSError):
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            raise ZygoteError(f"the zygote exited with code {self.process.returncode}") from None
+            self._lost = True
+            if self.process is not None:
+                try:
+                    self.process.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise ZygoteError(f"the zygote {self._gone()}") from None
         if message[0] == "exited":
             self.exits[message[1]] = message[2]
         return message
+
+    def _gone(self) -> str:
+        if self.process is None:
+            return "closed the connection"
+        return f"exited with code {self.process.returncode}"
 
 
 def _zygote_env() -> dict[str, str]:
