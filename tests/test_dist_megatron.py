@@ -333,22 +333,30 @@ SHARED_ZYGOTE_SUITE = """
 import json, os
 import pytest
 
-@pytest.mark.world_size(2)
-def test_record(rank):
+pytestmark = pytest.mark.world_size(2)
+
+def _record():
     worker = os.environ["PYTEST_XDIST_WORKER"]
+    with open(os.path.join(os.environ["FACTS_DIR"], worker + ".json"), "w") as f:
+        json.dump({"parent": os.getppid(), "devices": os.environ["XDIST_MEGATRON_DEVICES"]}, f)
+
+def test_one(rank):
     if rank == 0:
-        with open(os.path.join(os.environ["FACTS_DIR"], worker + ".json"), "w") as f:
-            json.dump({"parent": os.getppid(), "devices": os.environ["XDIST_MEGATRON_DEVICES"]}, f)
+        _record()
+
+def test_two(rank):
+    if rank == 0:
+        _record()
 """
 
 
 def test_workers_share_one_zygote(pytester, run_pytest, monkeypatch, tmp_path):
     """The workers fork their ranks from one zygote (the heavy packages are imported once per
     host, not once per worker), and each rank still sees its own worker's environment."""
-    pytester.makepyfile(test_shared=SHARED_ZYGOTE_SUITE)
+    pytester.makepyfile(test_a=SHARED_ZYGOTE_SUITE, test_b=SHARED_ZYGOTE_SUITE)
     monkeypatch.setenv("FACTS_DIR", str(tmp_path))
-    result = run_pytest("-n", "2", "--dist", "each", "--megatron-devices", "cpu:4")
-    result.assert_outcomes(passed=2)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:4")
+    result.assert_outcomes(passed=4)
     facts = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("gw0", "gw1")}
     assert facts["gw0"]["parent"] == facts["gw1"]["parent"], facts
     assert (facts["gw0"]["devices"], facts["gw1"]["devices"]) == ("0,1", "2,3")

@@ -96,7 +96,8 @@ def pytest_configure_node(node: Any) -> None:
         "devices": placement.to_dict(runtime.devices),
         "session_dir": runtime.session_dir,
         "lock_dir": runtime.lock_dir,
-        "zygote": runtime.host_zygote(),
+        # Shared by the workers; only for --dist megatron, where the suite surely has gangs.
+        "zygote": runtime.host_zygote() if requested(node.config) else None,
     }
 
 
