@@ -570,9 +570,7 @@ def device(request: pytest.FixtureRequest) -> Any:
     info = _torchrun_info(request)
     if info:
         return info.device
-    if runs_on_ranks(request.node):  # the ranks compute their own: the driver need not import torch
-        return None
-    import torch
+    import torch  # only here: the other rank fixtures must not make a driver import torch
 
     is_cuda = request.config.stash[RUNTIME].devices.is_cuda
     return torch.device("cuda", 0) if is_cuda else torch.device("cpu")

@@ -207,7 +207,9 @@ class MegatronScheduling:
         if unit.size is None or unit.size in self.sizes_sent.get(node, ()):
             return False
         for other in hungry:
-            if other is node or unit.size not in self.sizes_sent.get(other, ()):
+            if other is node or len(self.pending[other]) >= 2:
+                continue
+            if unit.size not in self.sizes_sent.get(other, ()):
                 continue
             index = self._worker_index(other)
             if placement.positions(self.devices, index, unit.size) != devices:

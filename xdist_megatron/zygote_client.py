@@ -35,13 +35,7 @@ class ZygoteClient:
         address: str | None = None,
     ) -> None:
         """Start a zygote; with `address`, it also accepts `connect` from other drivers."""
-        self.preload = preload
-        self.address = address
-        self.exits: dict[int, int] = {}
         ours, theirs = socket.socketpair()
-        self._sock = ours
-        self.conn = Connection(os.dup(ours.fileno()))
-        self._lost = False
         command = [
             sys.executable,
             "-m",
@@ -51,7 +45,7 @@ class ZygoteClient:
             str(standby),
             *([address] if address else []),
         ]
-        self.process: subprocess.Popen | None = subprocess.Popen(
+        process = subprocess.Popen(
             command,
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
@@ -61,25 +55,34 @@ class ZygoteClient:
             start_new_session=True,  # the terminal's Ctrl-C goes to the driver, not to the ranks
         )
         theirs.close()
-        self.pid = self.process.pid
-        self._failures: dict[str, str] | None = None
+        self._attach(preload, address, ours, process)
 
     @classmethod
     def connect(cls, address: str, preload: list[str]) -> ZygoteClient:
         """Join the zygote listening at `address`; it imports what `preload` adds to its own."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + address)
         client = cls.__new__(cls)
-        client.preload = preload
-        client.address = address
-        client.exits = {}
-        client._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client._sock.connect("\0" + address)
-        client.conn = Connection(os.dup(client._sock.fileno()))
-        client._lost = False
-        client.process = None
-        client._failures = None
-        client.pid = None  # known with the zygote's "ready"
+        client._attach(preload, address, sock, None)
         client.conn.send(("preload", preload))
         return client
+
+    def _attach(
+        self,
+        preload: list[str],
+        address: str | None,
+        sock: socket.socket,
+        process: subprocess.Popen | None,
+    ) -> None:
+        self.preload = preload
+        self.address = address
+        self.exits: dict[int, int] = {}
+        self._sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
+        self.process = process  # None: a shared zygote, which another process owns
+        self.pid = process.pid if process else None  # a shared one's comes with its "ready"
+        self._lost = False
+        self._failures: dict[str, str] | None = None
 
     @property
     def preload_failures(self) -> dict[str, str]:
