@@ -172,8 +172,7 @@ class Settings:
     durations: list[float]
     seed: int
     heavy_import: str | None
-    warm: bool
-    png: str
+    png_dir: str
     json_path: str | None
     keep_lane: str | None
 

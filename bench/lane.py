@@ -213,8 +213,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         durations=[float(d) for d in durations.split(",")],
         seed=args.seed,
         heavy_import=heavy,
-        warm=False,
-        png=args.png_dir,
+        png_dir=args.png_dir,
         json_path=args.json,
         keep_lane=args.keep_suite,
     )
@@ -463,7 +462,7 @@ def draw_charts(settings: Settings, results: list[dict[str, Any]]) -> None:
     ids = device_ids(settings.devices)
     for result in results:
         if result.get("jobs"):
-            path = f"{settings.png}/lane-{result['key']}.png"
+            path = f"{settings.png_dir}/lane-{result['key']}.png"
             draw_gantt([result], ids, path)
             print(f"Gantt chart ({result['key']}): {path}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import shutil
@@ -292,8 +293,13 @@ def _is_third_party(module: Any, rootdir: str) -> bool:
     if "site-packages" in path or "dist-packages" in path:
         return True
     path = os.path.realpath(path)
-    stdlib = {os.path.realpath(sysconfig.get_path(n)) for n in ("stdlib", "platstdlib")}
-    return not any(_inside(path, folder) for folder in {*stdlib, os.path.realpath(rootdir)})
+    return not any(_inside(path, folder) for folder in {*_stdlib(), os.path.realpath(rootdir)})
+
+
+@functools.cache
+def _stdlib() -> frozenset[str]:
+    """The standard library's folders (asked once, not for every imported name)."""
+    return frozenset(os.path.realpath(sysconfig.get_path(n)) for n in ("stdlib", "platstdlib"))
 
 
 def _inside(path: str, folder: str) -> bool:
