@@ -59,12 +59,15 @@ def run_pytest(
     """Run pytest in a subprocess on the pytester folder; then assert no rank or zygote is left.
 
     The run sees no GPU unless `gpus=True`: the suite's expectations are CPU mode's, also when
-    it runs on a machine with GPUs."""
+    it runs on a machine with GPUs. It has no pytest cache unless `cache=True`."""
 
-    def run(*args: str, timeout: float = 300, gpus: bool = False) -> pytest.RunResult:
+    def run(
+        *args: str, timeout: float = 300, gpus: bool = False, cache: bool = False
+    ) -> pytest.RunResult:
         if not gpus:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
+        no_cache = () if cache else ("-p", "no:cacheprovider")
+        result = pytester.runpytest_subprocess(*no_cache, *args, timeout=timeout)
         assert_no_processes_left(tag)
         return result
 

@@ -243,3 +243,60 @@ def test_where_imported():
     monkeypatch.setenv("PYTHONPATH", str(vendored), prepend=os.pathsep)
     result = run_pytest("--megatron-timeout", "60")
     result.assert_outcomes(passed=1)
+
+
+EARLY_SUITE = """
+import os
+import pytest
+import vendored_lib
+
+def zygotes_of(pid):
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if parent == pid and "xdist_megatron.zygote" in command:
+            found.append(int(entry))
+    return found
+
+ZYGOTES_DURING_COLLECTION = zygotes_of(os.getpid())
+
+def test_collection_saw():
+    now = zygotes_of(os.getpid())
+    print("zygotes during collection:", ZYGOTES_DURING_COLLECTION, "at test time:", now)
+
+@pytest.mark.world_size(1)
+def test_preloaded_by_the_zygote():
+    assert vendored_lib.IMPORTED_BY == os.getppid()
+"""
+
+
+@pytest.mark.parametrize("known_by", ["cache", "ini"])
+def test_known_preloads_start_the_zygote_before_collection(
+    pytester, run_pytest, tmp_path_factory, monkeypatch, known_by
+):
+    """Preloads known before collection (megatron_preload, or remembered in the pytest cache by
+    the last session that ran gangs) start the zygote at session start, so its imports overlap
+    with the collection's; a session whose collection finds no marked test stops it again."""
+    vendored = tmp_path_factory.mktemp("vendored")
+    (vendored / "vendored_lib").mkdir()
+    (vendored / "vendored_lib" / "__init__.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
+    monkeypatch.setenv("PYTHONPATH", str(vendored), prepend=os.pathsep)
+    pytester.makepyfile(test_early=EARLY_SUITE)
+    if known_by == "ini":
+        pytester.makeini("[pytest]\nmegatron_preload = vendored_lib\n")
+    else:
+        first = run_pytest("-s", "--megatron-timeout", "60", cache=True)
+        first.assert_outcomes(passed=2)
+        first.stdout.fnmatch_lines(["*zygotes during collection: []*"])
+    again = run_pytest("-s", "--megatron-timeout", "60", cache=True)
+    again.assert_outcomes(passed=2)
+    again.stdout.fnmatch_lines(["*zygotes during collection: [[][0-9]*"])
+    unmarked_only = run_pytest("-s", "-k", "collection_saw", cache=True)
+    unmarked_only.assert_outcomes(passed=1, deselected=1)
+    unmarked_only.stdout.fnmatch_lines(["*zygotes during collection: [[][0-9]*] at test time: []"])

@@ -16,7 +16,17 @@ from typing import Any
 
 import pytest
 
-from . import dist_mode, durations, layouts, markers, metadata, passthrough, placement, reporting
+from . import (
+    dist_mode,
+    durations,
+    layouts,
+    markers,
+    metadata,
+    passthrough,
+    placement,
+    preload_cache,
+    reporting,
+)
 from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_configure_node,
     pytest_plugin_registered,
@@ -191,12 +201,11 @@ class Runtime:
         """In the xdist controller: the address of the zygote every worker shares, started on
         first use with the configured preloads (each worker adds the ones it detected)."""
         if self._host_zygote is None:
-            configured = self.config.getini("megatron_preload")
             quiet = self.config.getoption("capture") != "no"
             log = os.path.join(self.session_dir, HOST_ZYGOTE_LOG)
             with open(log, "ab") if quiet else contextlib.nullcontext() as output:
                 self._host_zygote = ZygoteClient(
-                    list(dict.fromkeys([*BASE_PRELOAD, *configured])),
+                    self.early_preload() or list(BASE_PRELOAD),
                     output,
                     address=f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}",
                 )
@@ -222,7 +231,7 @@ class Runtime:
         run the large ones, and every standby rank is a process on a shared host)."""
         if self.xdist:
             return 0
-        sizes = [item.stash.get(WORLD_SIZE, 0) for item in self.config.stash[ITEMS]]
+        sizes = [item.stash.get(WORLD_SIZE, 0) for item in self.config.stash.get(ITEMS, [])]
         return min(max(sizes, default=0), self.devices.count)
 
     def default_timeout(self) -> float:
@@ -237,6 +246,23 @@ class Runtime:
         items = self.config.stash.get(ITEMS, [])
         found = _third_party_imports(items, str(self.config.rootpath))
         return list(dict.fromkeys([*BASE_PRELOAD, *found]))
+
+    def early_preload(self) -> list[str] | None:
+        """The preloads known before collection: megatron_preload, else what the last session
+        that ran gangs detected (pytest cache); None when neither says gangs will run."""
+        known = self.config.getini("megatron_preload") or preload_cache.load(self.config)
+        if known is None:
+            return None
+        return list(dict.fromkeys([*BASE_PRELOAD, *known]))
+
+    def remember_preload(self) -> None:
+        """Keep this session's detected preloads for the next one (one writer per session)."""
+        if self.worker == 0:
+            preload_cache.save(self.config, [m for m in self.preload() if m not in BASE_PRELOAD])
+
+    def stop_early_zygote(self) -> None:
+        if self._pool is not None:
+            self._pool.stop_zygote()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -362,6 +388,19 @@ def _publish_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     metadata.write_items(runtime.session_dir, config.workerinput["workerid"], infos)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the zygote before collection when the preloads are known already (configured, or
+    remembered from the last session): its imports then overlap with the collection's."""
+    config = session.config
+    runtime = config.stash[RUNTIME]
+    controller = not hasattr(config, "workerinput") and config.getoption("tx", None)
+    if controller or config.option.collectonly or runtime.torchrun is not None:
+        return
+    preload = runtime.early_preload()
+    if preload is not None:
+        runtime.pool.start_early(preload)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the zygote as soon as a test will need gangs: its imports take seconds."""
     runtime = session.config.stash[RUNTIME]
@@ -369,6 +408,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if any(WORLD_SIZE in item.stash for item in session.items):
         runtime.pool.prestart()
+        runtime.remember_preload()
+    else:
+        runtime.stop_early_zygote()
 
 
 def runs_on_ranks(item: pytest.Item) -> bool:

@@ -47,6 +47,7 @@ class GangPool:
         self._gangs: dict[int, Gang] = {}
         self._zygote: ZygoteClient | None = None
         self._checked: ZygoteClient | None = None  # the zygote whose preload failures are noted
+        self._started_early = False  # before collection; it has not heard what collection found
         self._host_zygote = host_zygote  # the address of a shared zygote, tried first
         self._host_zygote_log = host_zygote_log
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
@@ -146,10 +147,27 @@ class GangPool:
             return ""
         return "rank output before the failure:\n" + "\n".join(tail) if tail else ""
 
+    def start_early(self, preload: list[str]) -> None:
+        """Start the zygote before collection with the preloads known then, so its imports
+        overlap with the collection's; `prestart` adds what collection found."""
+        if self._zygote is None:
+            self._zygote = self._spawn(preload)
+            self._started_early = True
+
     def prestart(self) -> None:
-        """Start the zygote now, so its imports overlap with whatever runs before the first gang."""
+        """Start the zygote now, so its imports overlap with whatever runs before the first gang;
+        one started early imports what the collected test modules need as well."""
         if self._zygote is None:
             self._zygote = self._spawn(self._preload())
+        elif self._started_early:
+            self._started_early = False
+            self._zygote.add_preload(self._preload(), standby=self._largest_size())
+
+    def stop_zygote(self) -> None:
+        """Collection found nothing for gangs: the zygote started early is not needed."""
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
     def _spawn(self, preload: list[str]) -> ZygoteClient:
         """Join the shared zygote on first use; else (or once it failed) start our own."""
@@ -166,13 +184,17 @@ class GangPool:
             self.notes.append("the zygote died; started a new one")
             self._zygote.close()
             self._zygote = None
-        self.prestart()
+        if self._zygote is None:
+            self._zygote = self._spawn(self._preload())
         while True:
             zygote = self._zygote
             failures = zygote.preload_failures
-            if zygote is not self._checked:
-                self._checked = zygote
-                self.notes += [f"megatron_preload: {m}: {why}" for m, why in failures.items()]
+            if zygote is not self._checked:  # a module only remembered from the last session
+                self._checked = zygote  # and gone since then is no news
+                wanted = set(self._preload())
+                self.notes += [
+                    f"megatron_preload: {m}: {why}" for m, why in failures.items() if m in wanted
+                ]
             poisoned = [m for m, why in failures.items() if "CUDA" in why]
             if not poisoned:
                 return zygote

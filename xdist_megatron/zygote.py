@@ -147,7 +147,9 @@ class Zygote:
                 if pid in client.children:
                     os.kill(pid, signum)
         elif kind == "preload":
-            failures = preload([m for m in request[1] if m not in sys.modules])
+            _, modules, standby = request
+            self.standby_target = max(self.standby_target, standby)
+            failures = preload([m for m in modules if m not in sys.modules])
             gc.freeze()
             client.send(("ready", failures, os.getpid()))
             if any("CUDA" in reason for reason in failures.values()):

@@ -64,8 +64,15 @@ class ZygoteClient:
         sock.connect("\0" + address)
         client = cls.__new__(cls)
         client._attach(preload, address, sock, None)
-        client.conn.send(("preload", preload))
+        client.add_preload(preload)
         return client
+
+    def add_preload(self, modules: list[str], standby: int = 0) -> None:
+        """Have the zygote import these as well (it skips what it has), and keep `standby`
+        ranks forked ahead of need; `preload_failures` waits for them too."""
+        self.preload = list(dict.fromkeys([*self.preload, *modules]))
+        self.conn.send(("preload", modules, standby))
+        self._awaited += 1
 
     def _attach(
         self,
@@ -82,13 +89,16 @@ class ZygoteClient:
         self.process = process  # None: a shared zygote, which another process owns
         self.pid = process.pid if process else None  # a shared one's comes with its "ready"
         self._lost = False
-        self._failures: dict[str, str] | None = None
+        self._failures: dict[str, str] = {}
+        self._awaited = 1 if process else 0  # "ready" replies still to come: start, preloads
 
     @property
     def preload_failures(self) -> dict[str, str]:
         """{module: why} for preloads that failed; waits until the zygote has finished them."""
-        if self._failures is None:
-            _, self._failures, self.pid = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
+        while self._awaited:
+            _, failures, self.pid = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
+            self._failures.update(failures)
+            self._awaited -= 1
         return self._failures
 
     @property
