@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import subprocess
 import sys
 import tempfile
@@ -179,6 +180,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write the numbers to PATH as JSON")
     parser.add_argument("--png-dir", default="bench/out", help="Gantt charts go here")
     parser.add_argument("--keep-suite", metavar="DIR", help="write the suite to DIR, keep it")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: print the table and draw the charts of saved runs of one suite (a run "
+        "cut short, then the rows it missed); a later file's row replaces an earlier one's",
+    )
     return parser.parse_args(argv)
 
 
@@ -457,12 +465,12 @@ HEADERS = [
 ]
 
 
-def draw_charts(settings: Settings, results: list[dict[str, Any]]) -> None:
+def draw_charts(devices: str, png_dir: str, results: list[dict[str, Any]]) -> None:
     """A Gantt chart per strategy with records."""
-    ids = device_ids(settings.devices)
+    ids = device_ids(devices)
     for result in results:
         if result.get("jobs"):
-            path = f"{settings.png_dir}/lane-{result['key']}.png"
+            path = f"{png_dir}/lane-{result['key']}.png"
             draw_gantt([result], ids, path)
             print(f"Gantt chart ({result['key']}): {path}")
 
@@ -502,8 +510,36 @@ def run_all(
     return [*results, ideal_row(lane, ids)]
 
 
+def print_report(
+    results: list[dict[str, Any]], info: dict[str, Any], devices: str, suite: str
+) -> None:
+    title = f"xdist-megatron lane: --megatron-devices {devices}"
+    print("\n".join([*header_lines(title, info), suite, ""]))
+    print(table(HEADERS, rows(results)))
+    ours = next((r for r in results if r["key"] == "a"), None)
+    if ours is not None:
+        print(f"\n(a) in detail\n{report_table([ours])}\n(a): {verdict(ours)}")
+
+
+def report_saved(paths: list[str], png_dir: str) -> int:
+    """The table and charts of saved runs of one suite, merged by strategy."""
+    saved = [json.loads(Path(path).read_text()) for path in paths]
+    if len({data["suite"] for data in saved}) > 1:
+        raise SystemExit("the files hold runs of different suites")
+    merged = {run["key"]: run for data in saved for run in data["runs"]}
+    results = [merged[key] for key in sorted(merged)]
+    first = saved[0]
+    devices = first["settings"]["devices"]
+    sources = [f"run by  : {data['command']}" for data in saved]
+    print_report(results, first["machine"], devices, "\n".join([first["suite"], *sources]))
+    draw_charts(devices, png_dir, results)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report_saved(args.report, args.png_dir)
     settings = resolve_settings(args)
     lane = make_lane(settings)
     if settings.keep_lane:
@@ -511,14 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="lane-") as tmp:
             results = run_all(Path(tmp), settings, lane, args)
-    lane_text = lane_description(settings, lane)
-    title = f"xdist-megatron lane: --megatron-devices {settings.devices}"
-    print("\n".join([*header_lines(title, INFO), lane_text, ""]))
-    print(table(HEADERS, rows(results)))
-    ours = next((r for r in results if r["key"] == "a"), None)
-    if ours is not None:
-        print(f"\n(a) in detail\n{report_table([ours])}\n(a): {verdict(ours)}")
-    draw_charts(settings, results)
+    print_report(results, INFO, settings.devices, lane_description(settings, lane))
+    draw_charts(settings.devices, settings.png_dir, results)
     ran = [r for r in results if "passed" in r]
     return 0 if all(r["returncode"] == 0 and not r["lost"] for r in ran) else 1
 

@@ -7,7 +7,8 @@ one world_size(2) test each. Both variants run on the same suite, alternately, `
 "after collection" runs with the cache disabled, "before collection" after one priming run that
 filled the cache. Each row gives the wall time of the whole pytest process, plain and under
 `-n 2 --dist megatron` (where the xdist controller's shared zygote starts before the workers
-collect). Progress goes to stderr, the table to stdout.
+collect), and how long the process ran after the last test body ended (gangs, zygote and
+interpreter shutting down). Progress goes to stderr, the table to stdout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ INFO = machine()
 RUN_TIMEOUT_S = 600.0
 MODULES = 3
 
-SUITE_MODULE = """import pytest
+SUITE_MODULE = """import os
+import time
+
+import pytest
 import torch.distributed as dist
 import {heavy}
 
@@ -39,6 +43,8 @@ def test_all_reduce(rank):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2
+    with open(os.path.join({folder!r}, "ended"), "a") as f:
+        f.write(f"{{time.time()}}\\n")
 """
 
 MODES = {"plain": [], "-n 2 --dist megatron": ["-n", "2", "--dist", "megatron"]}
@@ -66,49 +72,68 @@ def write_suite(folder: str, heavy: str) -> None:
         f.write("[pytest]\n")  # the folder is the rootdir: no outer configuration applies
     for index in range(MODULES):
         with open(os.path.join(folder, f"test_module_{index}.py"), "w") as f:
-            f.write(SUITE_MODULE.format(heavy=heavy))
+            f.write(SUITE_MODULE.format(heavy=heavy, folder=folder))
 
 
-def run_session(folder: str, options: list[str]) -> float:
-    """Wall time of one pytest process on the suite; fails loudly if a test did not pass."""
+def run_session(folder: str, options: list[str]) -> tuple[float, float]:
+    """Wall time of one pytest process on the suite, and how long it ran after the last test
+    body ended (shutting gangs, zygote and interpreter down); fails loudly if a test failed."""
     command = [sys.executable, "-m", "pytest", "-q", *options]
-    start = time.perf_counter()
+    ended = os.path.join(folder, "ended")
+    if os.path.exists(ended):
+        os.remove(ended)
+    start = time.time()
     done = subprocess.run(
         command, cwd=folder, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
     )
-    elapsed = time.perf_counter() - start
+    finished = time.time()
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-    return elapsed
+    with open(ended) as f:
+        last_body_end = max(float(line) for line in f)
+    return finished - start, finished - last_body_end
 
 
-def measure(folder: str, repeats: int) -> dict[str, dict[str, list[float]]]:
-    samples: dict[str, dict[str, list[float]]] = {m: {v: [] for v in VARIANTS} for m in MODES}
+Samples = dict[str, dict[str, list[float]]]  # run -> variant (or "exit") -> seconds
+
+
+def measure(folder: str, repeats: int) -> Samples:
+    samples: Samples = {m: {v: [] for v in [*VARIANTS, "exit"]} for m in MODES}
     for mode, mode_options in MODES.items():
         run_session(folder, mode_options)  # primes the cache for "before collection"
         for attempt in range(repeats):
             for variant, variant_options in VARIANTS.items():
-                seconds = run_session(folder, [*mode_options, *variant_options])
-                samples[mode][variant].append(seconds)
-                progress(f"{mode}, {variant}, run {attempt + 1}: {seconds:.1f} s")
+                wall, exit_time = run_session(folder, [*mode_options, *variant_options])
+                samples[mode][variant].append(wall)
+                samples[mode]["exit"].append(exit_time)
+                progress(f"{mode}, {variant}, run {attempt + 1}: {wall:.1f} s")
     return samples
 
 
-def report(samples: dict[str, dict[str, list[float]]], heavy: str, repeats: int) -> str:
+def report(samples: Samples, heavy: str, repeats: int) -> str:
     rows = []
     for mode, by_variant in samples.items():
-        after = summarize(by_variant["after collection"])
-        before = summarize(by_variant["before collection"])
+        after = summarize(by_variant["after collection"])["median"]
+        before = summarize(by_variant["before collection"])["median"]
+        exit_time = summarize(by_variant["exit"])["median"]
         rows.append(
             [
                 mode,
-                f"{after['median']:.1f}",
-                f"{before['median']:.1f}",
-                f"{after['median'] - before['median']:.1f}",
-                f"{after['median'] / before['median']:.2f}x",
+                f"{after:.1f}",
+                f"{before:.1f}",
+                f"{after - before:.1f}",
+                f"{after / before:.2f}x",
+                f"{exit_time:.1f}",
             ]
         )
-    headers = ["run", "after coll. p50 s", "before coll. p50 s", "saved s", "ratio"]
+    headers = [
+        "run",
+        "after coll. p50 s",
+        "before coll. p50 s",
+        "saved s",
+        "ratio",
+        "last test to exit p50 s",
+    ]
     lines = header_lines("Zygote start before collection", INFO)
     lines += [
         f"suite: {MODULES} modules importing {heavy}, one world_size(2) test each; "
