@@ -35,14 +35,6 @@ def settings(legacy=True):
     numpy_state = np_random.get_state()
     values = {
         "cudnn": [cudnn.enabled, cudnn.benchmark, cudnn.deterministic],
-        "fp32_precision": [
-            backends.fp32_precision,
-            backends.cuda.matmul.fp32_precision,
-            cudnn.fp32_precision,
-            cudnn.conv.fp32_precision,
-            cudnn.rnn.fp32_precision,
-            backends.mkldnn.matmul.fp32_precision,
-        ],
         "deterministic": [
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -54,6 +46,15 @@ def settings(legacy=True):
         "numpy_rng": digest(numpy_state[1].tobytes() + repr(numpy_state[2:]).encode()),
         "environ": dict(os.environ),
     }
+    if hasattr(backends, "fp32_precision"):  # torch >= 2.9
+        values["fp32_precision"] = [
+            backends.fp32_precision,
+            backends.cuda.matmul.fp32_precision,
+            cudnn.fp32_precision,
+            cudnn.conv.fp32_precision,
+            cudnn.rnn.fp32_precision,
+            backends.mkldnn.matmul.fp32_precision,
+        ]
     if legacy:  # torch refuses these reads once a test mixed in the fp32_precision API
         values["tf32"] = [
             cudnn.allow_tf32,
@@ -81,9 +82,10 @@ def test_dirty_everything(rank):
     cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = False, True, True, False
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.set_float32_matmul_precision("medium")
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    cudnn.conv.fp32_precision = "tf32"
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        cudnn.conv.fp32_precision = "tf32"
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)

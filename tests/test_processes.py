@@ -300,3 +300,23 @@ def test_known_preloads_start_the_zygote_before_collection(
     unmarked_only = run_pytest("-s", "-k", "collection_saw", cache=True)
     unmarked_only.assert_outcomes(passed=1, deselected=1)
     unmarked_only.stdout.fnmatch_lines(["*zygotes during collection: [[][0-9]*] at test time: []"])
+
+
+def test_a_preload_that_fails_is_named_in_the_summary(pytester, run_pytest):
+    """A configured preload that does not import leaves the zygote working (each rank imports
+    what its test needs) and is named, with its error, in the run's summary."""
+    pytester.makeini("[pytest]\nmegatron_preload = no_such_module_here\n")
+    pytester.makepyfile(
+        test_runs="""
+import pytest
+
+@pytest.mark.world_size(2)
+def test_runs(rank):
+    pass
+"""
+    )
+    result = run_pytest("--megatron-timeout", "60")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["*xdist-megatron*", "megatron_preload: no_such_module_here: ModuleNotFoundError*"]
+    )

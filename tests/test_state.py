@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _children() -> list[int]:
-    """Processes whose parent is this one, zombies included (they were never reaped)."""
+    """Processes whose parent is this one, zombies included (they were never reaped); not
+    torch's own compile-worker pool, which torch < 2.5 starts when megatron.core is imported
+    and keeps for the life of the process."""
     me = str(os.getpid())
     found = []
     for entry in os.listdir("/proc"):
@@ -44,9 +46,11 @@ def _children() -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 parent = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
         except OSError:
             continue
-        if parent == me:
+        if parent == me and b"torch/_inductor/compile_worker" not in command:
             found.append(int(entry))
     return found
 

@@ -84,7 +84,7 @@ class Gang:
         import torch.distributed as dist
 
         if self._zygote is None:
-            self._zygote = ZygoteClient(list(BASE_PRELOAD), None)
+            self._zygote = ZygoteClient(list(BASE_PRELOAD), None, cuda=self.devices.is_cuda)
         if self._workdir is None:
             self._workdir = self._own_workdir = tempfile.mkdtemp(prefix="xdist-megatron-gang-")
         self._store = dist.TCPStore(

@@ -155,6 +155,7 @@ class Runtime:
         self._devices: DeviceSet | None = None
         self._pool: GangPool | None = None
         self._host_zygote: ZygoteClient | None = None
+        self.notes: list[str] = []  # what the pools said, for the terminal summary
 
     @property
     def devices(self) -> DeviceSet:
@@ -215,6 +216,7 @@ class Runtime:
                     self.early_preload() or list(BASE_PRELOAD),
                     output,
                     address=f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                    cuda=self.devices.is_cuda,
                 )
         return self._host_zygote.address
 
@@ -273,6 +275,7 @@ class Runtime:
 
     def close(self) -> None:
         if self._pool is not None:
+            self.notes += self._pool.notes
             self._pool.close()
             self._pool = None
         if self._host_zygote is not None:
@@ -582,10 +585,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Gener
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     runtime = terminalreporter.config.stash.get(RUNTIME, None)
-    pool = runtime._pool if runtime is not None else None
-    if pool is not None and pool.notes:
+    if runtime is None:
+        return
+    notes = runtime.notes + (runtime._pool.notes if runtime._pool is not None else [])
+    if notes:
         terminalreporter.section("xdist-megatron")
-        for note in pool.notes:
+        for note in notes:
             terminalreporter.line(note)
 
 

@@ -177,7 +177,9 @@ class GangPool:
                 return ZygoteClient.connect(address, preload)
             except OSError as exc:
                 self.notes.append(f"the shared zygote did not answer ({exc}); started our own")
-        return ZygoteClient(preload, self._log_file(), standby=self._largest_size())
+        return ZygoteClient(
+            preload, self._log_file(), standby=self._largest_size(), cuda=self.devices.is_cuda
+        )
 
     def _live_zygote(self) -> ZygoteClient:
         if self._zygote is not None and not self._zygote.alive:

@@ -166,6 +166,14 @@ def _set_anomaly_mode(value: tuple[bool, bool]) -> None:
     torch.autograd.set_detect_anomaly(value[0], check_nan=value[1])
 
 
+def _get_default_device() -> torch.device:
+    get = torch.get_default_device  # AttributeError where torch has none: not restored
+    try:
+        return get()
+    except AttributeError:  # torch 2.4, once set_default_device(None) left no device mode
+        return torch.device("cpu")
+
+
 def _set_default_device(device: torch.device) -> None:
     # A default device of "cpu" is torch's state without a device mode; installing one would tax
     # every factory call.
@@ -198,7 +206,7 @@ _SETTINGS: dict[str, _Setting] = {
     "deterministic_algorithms": _Setting(_get_deterministic, _set_deterministic),
     "anomaly_mode": _Setting(_get_anomaly_mode, _set_anomaly_mode),
     "default_dtype": _functions(torch, "get_default_dtype", "set_default_dtype"),
-    "default_device": _Setting(lambda: torch.get_default_device(), _set_default_device),
+    "default_device": _Setting(_get_default_device, _set_default_device),
     "grad_enabled": _functions(torch, "is_grad_enabled", "set_grad_enabled"),
 }
 

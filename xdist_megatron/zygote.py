@@ -1,9 +1,11 @@
 """The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
 
-Started by its owner as `python -m xdist_megatron.zygote FD PRELOAD_JSON STANDBY [ADDRESS]`, with
-FD one end of a socket pair; with ADDRESS it also listens on that abstract Unix socket for more
-drivers (the workers of an xdist run share the controller's zygote: one import of the heavy
-packages per host instead of one per worker). It never initialises CUDA, so its forks can.
+Started by its owner as `python -m xdist_megatron.zygote FD OPTIONS_JSON`, with FD one end of a
+socket pair and the options `preload`, `standby`, `address` and `cuda`; with an address it also
+listens on that abstract Unix socket for more drivers (the workers of an xdist run share the
+controller's zygote: one import of the heavy packages per host instead of one per worker). It
+never initialises CUDA, so its forks can; where the ranks will use CUDA, a preload that touched
+the CUDA driver is dropped.
 Requests arrive on each driver's socket; the rank ends of the ranks' socket pairs arrive with a
 "fork" request as SCM_RIGHTS ancillary data. It reports each rank's exit (code or signal) to its
 driver as soon as it reaps it, kills a driver's ranks when that driver goes, and every child when
@@ -28,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
 
 # What every rank needs, imported once here instead of once per rank.
@@ -43,8 +46,9 @@ BASE_PRELOAD = (
 )
 
 
-def preload(modules: list[str]) -> dict[str, str]:
-    """Import each module; return {name: error} for those that failed or made forking unsafe."""
+def preload(modules: list[str], cuda: bool) -> dict[str, str]:
+    """Import each module; return {name: error} for those that failed or, where the ranks will
+    use CUDA, made forking unsafe for it."""
     failures: dict[str, str] = {}
     for name in modules:
         try:
@@ -52,7 +56,7 @@ def preload(modules: list[str]) -> dict[str, str]:
         except BaseException as exc:  # a broken optional package must not stop the zygote
             failures[name] = f"{type(exc).__name__}: {exc}"
             continue
-        if not _fork_keeps_cuda_usable():
+        if cuda and not _fork_keeps_cuda_usable():
             failures[name] = "initialised CUDA at import; forked ranks could not use the GPU"
             break
     return failures
@@ -99,7 +103,10 @@ class Zygote:
     with a listening socket, more drivers connect (the workers of one xdist run share the
     controller's zygote). A driver that disconnects takes its ranks with it; the owner, all."""
 
-    def __init__(self, fd: int, standby_target: int, listener: socket.socket | None) -> None:
+    def __init__(
+        self, fd: int, standby_target: int, listener: socket.socket | None, cuda: bool
+    ) -> None:
+        self.cuda = cuda  # whether the ranks will use CUDA, so forks must keep it usable
         self.owner = Client(socket.socket(fileno=fd))
         self.clients = [self.owner]
         self.listener = listener
@@ -149,7 +156,7 @@ class Zygote:
         elif kind == "preload":
             _, modules, standby = request
             self.standby_target = max(self.standby_target, standby)
-            failures = preload([m for m in modules if m not in sys.modules])
+            failures = preload([m for m in modules if m not in sys.modules], self.cuda)
             gc.freeze()
             client.send(("ready", failures, os.getpid()))
             if any("CUDA" in reason for reason in failures.values()):
@@ -273,13 +280,18 @@ def _die_with_zygote() -> None:
 
 def main(argv: list[str]) -> int:
     fd = int(argv[1])
-    modules = list(BASE_PRELOAD) + [m for m in json.loads(argv[2]) if m not in BASE_PRELOAD]
-    standby = int(argv[3]) if len(argv) > 3 else 0
-    address = argv[4] if len(argv) > 4 else None
+    options = json.loads(argv[2])
+    modules = list(BASE_PRELOAD) + [m for m in options["preload"] if m not in BASE_PRELOAD]
+    address = options["address"]
     os.environ["XDIST_MEGATRON_ZYGOTE"] = str(os.getpid())
     # torch.cuda.is_available() through NVML does not touch the CUDA driver, so a package
     # that asks at import time leaves the zygote safe to fork.
     os.environ.setdefault(NVML_CHECK, "1")
+    # torch < 2.5 starts inductor's compile workers when torch._inductor is imported (megatron.core
+    # imports it), asking CUDA for device properties first: that poisons every fork, and each
+    # rank would then import megatron.core itself and start its own workers. A rank that
+    # compiles starts them when it first needs them.
+    os.environ.setdefault(WARM_POOL, "0")
     # Libraries may leave idle helper threads behind at import; only the forking thread
     # continues in a rank, which is what a fork server relies on.
     warnings.filterwarnings("ignore", ".*multi-threaded.*fork", DeprecationWarning)
@@ -288,12 +300,12 @@ def main(argv: list[str]) -> int:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # queue while we import
         listener.bind("\0" + address)
         listener.listen(128)
-    failures = preload(modules)
+    failures = preload(modules, options["cuda"])
     # Everything imported so far lives as long as every rank: keep it out of every later
     # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
     gc.collect()
     gc.freeze()
-    zygote = Zygote(fd, standby, listener)
+    zygote = Zygote(fd, options["standby"], listener, options["cuda"])
     zygote.owner.send(("ready", failures, os.getpid()))
     if any("CUDA" in reason for reason in failures.values()):
         return 1

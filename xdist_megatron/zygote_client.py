@@ -33,17 +33,18 @@ class ZygoteClient:
         log: IO[bytes] | None,
         standby: int = 0,
         address: str | None = None,
+        cuda: bool = True,
     ) -> None:
-        """Start a zygote; with `address`, it also accepts `connect` from other drivers."""
+        """Start a zygote; with `address`, it also accepts `connect` from other drivers. `cuda`:
+        whether its ranks will use CUDA (only then may a preload not touch the CUDA driver)."""
         ours, theirs = socket.socketpair()
+        options = {"preload": preload, "standby": standby, "address": address, "cuda": cuda}
         command = [
             sys.executable,
             "-m",
             "xdist_megatron.zygote",
             str(theirs.fileno()),
-            json.dumps(preload),
-            str(standby),
-            *([address] if address else []),
+            json.dumps(options),
         ]
         process = subprocess.Popen(
             command,
