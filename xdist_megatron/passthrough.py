@@ -12,13 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from .protocol import RankInfo
+from .zygote import ZYGOTE_VAR
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def under_torchrun() -> bool:
     """True in a process started by torchrun (and not in one of our own ranks)."""
-    return all(v in os.environ for v in TORCHRUN_VARS) and "XDIST_MEGATRON_ZYGOTE" not in os.environ
+    return all(v in os.environ for v in TORCHRUN_VARS) and ZYGOTE_VAR not in os.environ
 
 
 def torchrun_rank_info() -> RankInfo | None:

@@ -168,6 +168,7 @@ class GangPool:
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        self._started_early = False
 
     def _spawn(self, preload: list[str]) -> ZygoteClient:
         """Join the shared zygote on first use; else (or once it failed) start our own."""

@@ -36,9 +36,9 @@ from .protocol import (
     ShutdownJob,
     TestJob,
 )
+from .zygote import ZYGOTE_VAR
 
 STACK_SIGNAL = signal.SIGUSR1
-ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"  # set in the zygote: this process is a gang's rank
 _WATCH_INTERVAL = 0.5
 
 _info: RankInfo | None = None

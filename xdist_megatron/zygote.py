@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"  # the zygote's pid, in it and in its ranks
 WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
 
@@ -283,14 +284,13 @@ def main(argv: list[str]) -> int:
     options = json.loads(argv[2])
     modules = list(BASE_PRELOAD) + [m for m in options["preload"] if m not in BASE_PRELOAD]
     address = options["address"]
-    os.environ["XDIST_MEGATRON_ZYGOTE"] = str(os.getpid())
+    os.environ[ZYGOTE_VAR] = str(os.getpid())
     # torch.cuda.is_available() through NVML does not touch the CUDA driver, so a package
     # that asks at import time leaves the zygote safe to fork.
     os.environ.setdefault(NVML_CHECK, "1")
-    # torch < 2.5 starts inductor's compile workers when torch._inductor is imported (megatron.core
-    # imports it), asking CUDA for device properties first: that poisons every fork, and each
-    # rank would then import megatron.core itself and start its own workers. A rank that
-    # compiles starts them when it first needs them.
+    # torch < 2.5 starts a pool of inductor compile workers (processes, and a thread here)
+    # when torch._inductor is imported, which megatron.core does: the zygote needs none, and
+    # would fork its ranks beside them. A rank that compiles starts them when it first needs them.
     os.environ.setdefault(WARM_POOL, "0")
     # Libraries may leave idle helper threads behind at import; only the forking thread
     # continues in a rank, which is what a fork server relies on.
