@@ -22,7 +22,16 @@ from typing import Any
 
 from . import placement
 from .capture import output_paths
-from .protocol import FAILED, CallJob, Job, RankResult, RankSpec, Ready, ShutdownJob
+from .protocol import (
+    FAILED,
+    CallJob,
+    Job,
+    PhaseReport,
+    RankResult,
+    RankSpec,
+    Ready,
+    ShutdownJob,
+)
 from .rank import STACK_SIGNAL
 from .zygote_client import ZygoteClient, ZygoteError, describe_exit
 
@@ -32,6 +41,7 @@ START_TIMEOUT = 120.0
 FAILURE_GRACE = 2.0  # how long the other ranks may still finish after one rank failed
 STACK_WAIT = 2.0
 LOCALHOST = "127.0.0.1"
+DEVICE_COUNT_VAR = "XDIST_MEGATRON_DEVICE_COUNT"  # the driver's, so ranks resolve "all" alike
 
 
 class GangError(RuntimeError):
@@ -126,6 +136,10 @@ class Gang:
             "MASTER_PORT": str(port),
             "CUDA_VISIBLE_DEVICES": self.devices.visible_devices(self.block),
             "XDIST_MEGATRON_DEVICES": ",".join(str(d) for d in self.block),
+            # As torchrun's agent store: MASTER_PORT is a live store ranks join as clients, so a
+            # test can destroy the default group and initialise it again from the environment.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            DEVICE_COUNT_VAR: str(self.devices.count),
         }
         return RankSpec(
             rank=rank,
@@ -268,8 +282,8 @@ class Gang:
         return results
 
     def _collect(self, timeout: float) -> list[RankResult]:
+        reports: dict[int, list[dict]] = {rank: [] for rank in range(self.world_size)}
         results: dict[int, RankResult] = {}
-        provisional: dict[int, RankResult] = {}
         waiting = dict(zip(self._conns, range(self.world_size), strict=True))
         deadline = time.monotonic() + timeout
         grace_end = float("inf")
@@ -278,47 +292,47 @@ class Gang:
             limit = min(deadline, grace_end)
             if now >= limit:
                 break
-            ready = wait([*waiting, self._zygote.conn], min(limit - now, 1.0))
-            for conn in ready:
+            for conn in wait([*waiting, self._zygote.conn], min(limit - now, 1.0)):
                 if conn is self._zygote.conn:
                     self._pump_zygote()
                     continue
                 rank = waiting[conn]
-                result = self._receive(conn, rank)
-                if not result.final:
-                    provisional[rank] = result
+                message = self._receive(conn, rank)
+                if isinstance(message, PhaseReport):
+                    reports[rank].append(message.data)
                     continue
                 del waiting[conn]
-                results[rank] = result
+                results[rank] = message
             for conn, rank in list(waiting.items()):
                 if self.pids[rank] in self._zygote.exits:
                     del waiting[conn]
                     results[rank] = self._death(rank)
-            if grace_end == float("inf") and any(r.outcome == FAILED for r in results.values()):
+            if grace_end == float("inf") and _first_failure(results, reports) is not None:
                 grace_end = time.monotonic() + FAILURE_GRACE
         if waiting:
-            self._report_unfinished(sorted(waiting.values()), results, provisional, timeout)
+            self._report_unfinished(sorted(waiting.values()), results, reports, timeout)
+        for rank, result in results.items():
+            result.reports = reports[rank]
         return [results[rank] for rank in range(self.world_size)]
 
     def _report_unfinished(
         self,
         ranks: list[int],
         results: dict[int, RankResult],
-        provisional: dict[int, RankResult],
+        reports: dict[int, list[dict]],
         timeout: float,
     ) -> None:
-        """Ranks still busy: a body that already finished counts as it did (the rank was only
-        caught in the cleanup after a peer failed); a body still running fails with its stack."""
-        failed = [r.rank for r in results.values() if r.outcome == FAILED]
-        if failed:
-            why = f"was still running {FAILURE_GRACE:g} s after rank {min(failed)} failed"
+        """Ranks still busy fail with their stacks; a rank whose own test already failed was only
+        waiting for its peers, and its failure says enough."""
+        failed = _first_failure(results, reports)
+        if failed is not None:
+            why = f"was still running {FAILURE_GRACE:g} s after rank {failed} failed"
         else:
             why = f"timed out after {timeout:g} s"
         stacks = self._dump_stacks(ranks)
         for rank in ranks:
-            body = provisional.get(rank)
-            if failed and body is not None:
-                results[rank] = body
+            if any(_failed(data) for data in reports[rank]):
+                results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}")
             else:
                 results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stacks[rank])
 
@@ -354,6 +368,17 @@ class Gang:
                 break
             sizes = now
         return {r: _read_stacks(r, p) for r, p in paths.items()}
+
+
+def _failed(report: dict) -> bool:
+    return report.get("outcome") == "failed"
+
+
+def _first_failure(results: dict[int, RankResult], reports: dict[int, list[dict]]) -> int | None:
+    """The lowest rank whose job or test failed so far, if any."""
+    failed = [r for r, result in results.items() if result.outcome == FAILED]
+    failed += [r for r, datas in reports.items() if any(_failed(d) for d in datas)]
+    return min(failed, default=None)
 
 
 def _size(path: str) -> int:

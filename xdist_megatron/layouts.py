@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 MARKER = "megatron"
+LAYOUT = pytest.StashKey[tuple]()  # an item's layout, where it has the marker
 MARKER_HELP = (
     "megatron(tp=1, pp=1, cp=1, ep=1): initialise megatron.core.parallel_state with this layout "
     "before the test and keep it for the next tests of the same layout on the gang."
@@ -43,8 +46,9 @@ def layout_of(marker: Any, test_name: str) -> Layout:
     return tuple(sizes.items())
 
 
-def ensure(layout: Layout, current: Layout | None) -> Layout:
-    """On a rank: make `layout` the live parallel state, reusing `current` when it matches."""
+def ensure(layout: Layout, current: Layout | None, held: list[object]) -> Layout:
+    """On a rank: make `layout` the live parallel state, reusing `current` when it matches;
+    `held` are the groups wider fixture scopes hold, which stay."""
     from megatron.core import parallel_state
 
     if layout == current and parallel_state.model_parallel_is_initialized():
@@ -52,17 +56,17 @@ def ensure(layout: Layout, current: Layout | None) -> Layout:
     if parallel_state.model_parallel_is_initialized():
         from . import state
 
-        state.cleanup_after_job()
+        state.cleanup_after_job(held)
     parallel_state.initialize_model_parallel(**{ARGUMENTS[k]: v for k, v in layout})
     return layout
 
 
-def switch(wanted: Layout | None, kept: Layout | None) -> Layout | None:
+def switch(wanted: Layout | None, kept: Layout | None, held: list[object]) -> Layout | None:
     """Make `wanted` the live layout (None: no layout), reusing `kept`; returns the kept one."""
     if wanted is not None:
-        return ensure(wanted, kept)
+        return ensure(wanted, kept, held)
     if kept is not None:
         from . import state
 
-        state.cleanup_after_job()  # this test wants no layout: drop the kept one
+        state.cleanup_after_job(held)  # this test wants no layout: drop the kept one
     return None

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 MARKER = "world_size"
+WORLD_SIZE = pytest.StashKey[int]()  # an item's gang size, where it has one
 PARAM = "_megatron_world_size"
 ALL = "all"
 MARKER_HELP = (
@@ -50,12 +51,26 @@ def parametrize_sizes(metafunc: pytest.Metafunc, device_count: int) -> None:
     metafunc.parametrize(PARAM, resolved, ids=[f"ws{n}" for n in resolved])
 
 
-def item_world_size(item: pytest.Item, device_count: int) -> int | None:
-    """The gang size an item runs on, or None for an unmarked test."""
+def item_world_size(item: pytest.Item, device_count: int, default: int | None) -> int | None:
+    """The gang size an item runs on: its marker's, else `default` (--megatron-world-size),
+    else None (the test runs in the driver)."""
     callspec = getattr(item, "callspec", None)
     if callspec is not None and PARAM in callspec.params:
         return callspec.params[PARAM]
     marker = item.get_closest_marker(MARKER)
     if marker is None:
-        return None
+        return default
     return resolve(declared_sizes(marker, item.nodeid)[0], device_count)
+
+
+def default_world_size(value: str | None) -> int | None:
+    """--megatron-world-size / megatron_world_size: a positive int, or unset."""
+    if value in (None, ""):
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise pytest.UsageError(f"--megatron-world-size must be a positive int, got {value!r}")
+    return size

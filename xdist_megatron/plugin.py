@@ -7,27 +7,27 @@ import contextlib
 import functools
 import gc
 import os
-import pickle
 import shutil
 import sys
 import sysconfig
 import tempfile
 import uuid
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from . import (
+    dispatch,
     dist_mode,
     durations,
+    inprocess,
     layouts,
     markers,
     metadata,
-    passthrough,
     placement,
     preload_cache,
-    reporting,
 )
 from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_configure_node,
@@ -36,28 +36,30 @@ from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_xdist_make_scheduler,
     pytest_xdist_setupnodes,
 )
-from .explain import ExplainSettings
-from .gang import BASE_PRELOAD, DEFAULT_TIMEOUT, GangError, default_backend, detect_devices
+from .gang import (
+    BASE_PRELOAD,
+    DEFAULT_TIMEOUT,
+    DEVICE_COUNT_VAR,
+    GangError,
+    default_backend,
+    detect_devices,
+)
+from .inprocess import InProcessRank
+from .layouts import LAYOUT
 from .locks import DeviceLocks
+from .markers import WORLD_SIZE
 from .placement import DeviceSet
 from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
-from .protocol import FAILED, PASSED, SKIPPED, XFAILED, CleanupJob, RankInfo, TestJob
-from .reporting import RankFailures, RankFailuresRepr
+from .protocol import FAILED, CleanupJob, RankInfo, SessionArgs
 from .scheduler import INPUT_KEY
-from .zygote_client import ZygoteClient, ZygoteError
+from .zygote_client import ZygoteClient
 
-NATIVE_FIXTURES = ("rank", "world_size", "local_rank", "device")
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
 RUNTIME = pytest.StashKey["Runtime"]()
-WORLD_SIZE = pytest.StashKey[int]()
-NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
-FIXTURE_BLOB = pytest.StashKey[bytes]()
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
-RESULTS = pytest.StashKey[list]()
 TIMEOUT = pytest.StashKey[float]()
 ITEMS = pytest.StashKey[list]()
-LAYOUT = pytest.StashKey[tuple]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,6 +72,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="seconds a test may run on a gang before its ranks' stacks are dumped and the gang "
         "is killed (default: ini megatron_timeout, 300).",
+    )
+    group.addoption(
+        "--megatron-world-size",
+        default=None,
+        help="world size of every unmarked test, so that a suite written for `torchrun "
+        "--nproc-per-node N -m pytest` runs unchanged (default: ini megatron_world_size; unset: "
+        "unmarked tests run in the pytest process).",
     )
     group.addoption(
         "--megatron-devices",
@@ -91,6 +100,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     dist_mode.add_dist_choice(parser)
     parser.addini("megatron_timeout", "default of --megatron-timeout", default=str(DEFAULT_TIMEOUT))
+    parser.addini("megatron_world_size", "default of --megatron-world-size", default="")
     parser.addini(
         "megatron_preload",
         "modules the zygote imports once for every rank (default: torch, torch.distributed and "
@@ -111,7 +121,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
     )
-    config.stash[RUNTIME] = Runtime(config)
+    runtime = config.stash[RUNTIME] = Runtime(config)
+    if runtime.inprocess is not None:
+        config.pluginmanager.register(runtime.inprocess, inprocess.PLUGIN_NAME)
+    else:
+        dispatcher = dispatch.GangDispatch(runtime, dispatch_timeout)
+        config.pluginmanager.register(dispatcher, "xdist-megatron-dispatch")
     # At exit CPython's last collections walk every object torch and megatron allocated: about
     # 2 s per process with megatron.core loaded. Frozen objects are skipped; the language does
     # not promise to finalise objects still alive at exit, and atexit handlers all still run.
@@ -144,7 +159,17 @@ class Runtime:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.torchrun = passthrough.TorchrunRank() if passthrough.under_torchrun() else None
+        # In a rank process (ours, or torchrun's) tests run right here.
+        self.inprocess: InProcessRank | None = None
+        if inprocess.on_gang_rank():
+            from .rank import finish_line
+
+            self.inprocess = InProcessRank(config, finish_line)
+        elif inprocess.under_torchrun():
+            self.inprocess = InProcessRank(config, None)
+        self.default_size = markers.default_world_size(
+            config.getoption("megatron_world_size") or config.getini("megatron_world_size")
+        )
         self.xdist: dict | None = getattr(config, "workerinput", {}).get(INPUT_KEY)
         self.worker = self.xdist["worker"] if self.xdist else 0
         self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
@@ -155,6 +180,8 @@ class Runtime:
         self._devices: DeviceSet | None = None
         self._pool: GangPool | None = None
         self._host_zygote: ZygoteClient | None = None
+        self._session_args: SessionArgs | None = None
+        self._next_on_gang: dict[str, str | None] | None = None
         self.notes: list[str] = []  # what the pools said, for the terminal summary
 
     @property
@@ -170,9 +197,61 @@ class Runtime:
 
     @property
     def device_count(self) -> int:
-        if self.torchrun is not None:
-            return self.torchrun.world_size
+        """The devices "all" means: the driver's, also on its ranks; torchrun's world."""
+        if inprocess.on_gang_rank():
+            return int(os.environ[DEVICE_COUNT_VAR])
+        if self.inprocess is not None:
+            return self.inprocess.world_size
         return self.devices.count
+
+    def runs_on_ranks(self, item: pytest.Item) -> bool:
+        """A test this driver sends to a gang: it has a world size that fits the devices, and
+        does not request the `gang` fixture (whose test body stays here)."""
+        size = item.stash.get(WORLD_SIZE, None)
+        return (
+            size is not None
+            and self.inprocess is None
+            and isinstance(item, pytest.Function)
+            and "gang" not in item.fixturenames
+            and size <= self.devices.count
+        )
+
+    def session_args(self) -> SessionArgs:
+        """How a rank builds this session again (the same for every test)."""
+        if self._session_args is None:
+            config = self.config
+            factory = getattr(config, "_tmp_path_factory", None)
+            base = factory.getbasetemp() if factory is not None else Path(self.session_dir)
+            (base / "ranks").mkdir(exist_ok=True)
+            self._session_args = SessionArgs(
+                args=[str(a) for a in config.invocation_params.args],
+                invocation_dir=str(config.invocation_params.dir),
+                sys_path=list(sys.path),
+                basetemp=str(base / "ranks"),
+                capture=config.getoption("capture", "fd"),
+            )
+        return self._session_args
+
+    def next_on_gang(self, item: pytest.Item, nextitem: pytest.Item | None) -> str | None:
+        """The next test the gang of `item` will run, where this driver knows it: pytest's
+        `nextitem` when it runs on that gang too; serially, the next one of its size in the
+        session's order. Under xdist nothing further is known: None (its scopes up to the
+        session's end)."""
+        size = item.stash[WORLD_SIZE]
+        if nextitem is not None and self.runs_on_ranks(nextitem):
+            if nextitem.stash[WORLD_SIZE] == size:
+                return nextitem.nodeid
+        if self.xdist:
+            return None
+        if self._next_on_gang is None:
+            self._next_on_gang = {}
+            last: dict[int, str] = {}
+            for later in reversed(item.session.items):
+                if self.runs_on_ranks(later):
+                    later_size = later.stash[WORLD_SIZE]
+                    self._next_on_gang[later.nodeid] = last.get(later_size)
+                    last[later_size] = later.nodeid
+        return self._next_on_gang.get(item.nodeid)
 
     @property
     def session_dir(self) -> str:
@@ -363,23 +442,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runtime = config.stash[RUNTIME]
     config.stash[ITEMS] = items
     for item in items:
-        if item.get_closest_marker(markers.MARKER) is None:
+        size = markers.item_world_size(item, runtime.device_count, runtime.default_size)
+        if size is None:
             continue
-        size = markers.item_world_size(item, runtime.device_count)
         item.stash[WORLD_SIZE] = size
         layout_marker = item.get_closest_marker(layouts.MARKER)
         if layout_marker is not None:
             item.stash[LAYOUT] = layouts.layout_of(layout_marker, item.nodeid)
-        if runtime.torchrun is not None:
-            if size != runtime.torchrun.world_size:
-                reason = f"needs world size {size}, torchrun started {runtime.torchrun.world_size}"
+        if inprocess.on_gang_rank():
+            continue  # the driver chose what runs here
+        if runtime.inprocess is not None:
+            if size != runtime.inprocess.world_size:
+                reason = f"needs world size {size}, torchrun started {runtime.inprocess.world_size}"
                 item.add_marker(pytest.mark.skip(reason=reason))
-            continue
-        if size > runtime.devices.count:
+        elif size > runtime.devices.count:
             reason = f"needs {size} devices, {runtime.devices.count} available"
             item.add_marker(pytest.mark.skip(reason=reason))
-        elif runs_on_ranks(item):
-            _move_xunit_to_ranks(item)
     if runtime.xdist:
         _publish_items(config, items)
 
@@ -404,7 +482,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     runtime = config.stash[RUNTIME]
     controller = not hasattr(config, "workerinput") and config.getoption("tx", None)
-    if controller or config.option.collectonly or runtime.torchrun is not None:
+    if controller or config.option.collectonly or runtime.inprocess is not None:
         return
     preload = runtime.early_preload()
     if preload is not None:
@@ -414,7 +492,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the zygote as soon as a test will need gangs: its imports take seconds."""
     runtime = session.config.stash[RUNTIME]
-    if session.config.option.collectonly or runtime.torchrun is not None:
+    if session.config.option.collectonly or runtime.inprocess is not None:
         return
     if any(WORLD_SIZE in item.stash for item in session.items):
         runtime.pool.prestart()
@@ -423,125 +501,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         runtime.stop_early_zygote()
 
 
-def runs_on_ranks(item: pytest.Item) -> bool:
-    """A marked test whose body runs on the ranks (it does not request the `gang` fixture)."""
-    return (
-        WORLD_SIZE in item.stash
-        and isinstance(item, pytest.Function)
-        and "gang" not in item.fixturenames
-        and item.config.stash[RUNTIME].torchrun is None
-    )
-
-
-def _move_xunit_to_ranks(item: pytest.Item) -> None:
-    """setup/teardown_method and _class of the test's class run on the ranks, not here."""
-    prefixes = ("_xunit_setup_method_fixture_", "_xunit_setup_class_fixture_")
-    item.fixturenames[:] = [n for n in item.fixturenames if not n.startswith(prefixes)]
-
-
-# -- running ----------------------------------------------------------------------------------
+# -- running ------------------------------------------------------------------------------------
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator:
-    item.stash[NEXT_ITEM] = nextitem
+def pytest_runtest_protocol(item: pytest.Item) -> Generator:
     if WORLD_SIZE in item.stash:
         return (yield)
     with item.config.stash[RUNTIME].home_device_held():
         return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator:
+def dispatch_timeout(item: pytest.Item) -> float:
+    """Seconds a test may run on its gang: pytest-timeout's, its timeout marker, or ours."""
     runtime = item.config.stash[RUNTIME]
-    result = yield  # fixtures set up, skip markers evaluated: the test will run
-    if runtime.torchrun is not None and WORLD_SIZE in item.stash:
-        runtime.torchrun.before_test(item.module.__name__, item.stash.get(LAYOUT, None))
-    if runs_on_ranks(item):
-        item.stash[FIXTURE_BLOB] = _fixture_blob(item)
-    return result
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Generator:
-    result = yield
-    runtime = item.config.stash[RUNTIME]
-    if runtime.torchrun is not None and WORLD_SIZE in item.stash:
-        runtime.torchrun.after_test()
-    return result
-
-
-def _fixture_blob(item: pytest.Function) -> bytes:
-    values = {}
-    for name in item._fixtureinfo.argnames:
-        if name in NATIVE_FIXTURES:
-            continue
-        value = item.funcargs[name]
-        try:
-            pickle.dumps(value)
-            error = None
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if error is not None:
-            pytest.fail(
-                f"fixture {name!r} of {item.nodeid} cannot be sent to the ranks: it does not "
-                f"pickle ({error}). Create the value on the ranks instead: "
-                "build it in the test body or in a module-level helper the test calls (the "
-                "rank, world_size, local_rank and device fixtures are available there).",
-                pytrace=False,
-            )
-        values[name] = value
-    return pickle.dumps(values)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if not runs_on_ranks(pyfuncitem):
-        return None
-    runtime = pyfuncitem.config.stash[RUNTIME]
-    timeout = pyfuncitem.stash.get(TIMEOUT, None) or _marker_timeout(pyfuncitem)
-    timeout = timeout or runtime.default_timeout()
-    size = pyfuncitem.stash[WORLD_SIZE]
-    runtime.trim_gangs(size)
-    try:
-        results = runtime.pool.run(size, pyfuncitem.module.__name__, _test_job(pyfuncitem), timeout)
-    except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
-        pytest.fail(str(exc), pytrace=False)
-    pyfuncitem.stash[RESULTS] = results
-    verdict = reporting.merge(results)
-    if verdict.outcome == PASSED:
-        return True
-    if verdict.outcome == SKIPPED:
-        pytest.skip(verdict.message)
-    if verdict.outcome == XFAILED:
-        pytest.xfail(verdict.message)
-    raise RankFailures(verdict)
-
-
-def _test_job(item: pytest.Function) -> TestJob:
-    nextitem = item.stash.get(NEXT_ITEM, None)
-    same_class_next = (
-        nextitem is not None
-        and getattr(nextitem, "cls", None) is item.cls
-        and nextitem.stash.get(WORLD_SIZE, None) == item.stash[WORLD_SIZE]
-    )
-    config = item.config
-    return TestJob(
-        nodeid=item.nodeid,
-        module_name=item.module.__name__,
-        module_path=str(item.path),
-        sys_path=list(sys.path),
-        class_path=item.cls.__qualname__ if item.cls is not None else None,
-        function_name=item.originalname,
-        fixtures=item.stash[FIXTURE_BLOB],
-        native_names=tuple(n for n in item._fixtureinfo.argnames if n in NATIVE_FIXTURES),
-        tbstyle=config.getoption("tbstyle", "auto"),
-        showlocals=bool(config.getoption("showlocals", False)),
-        capture=config.getoption("capture", "fd") != "no",
-        teardown_class=item.cls is not None and not same_class_next,
-        layout=item.stash.get(LAYOUT, None),
-        explain=ExplainSettings.from_config(config),
-    )
+    timeout = item.stash.get(TIMEOUT, None) or _marker_timeout(item)
+    return timeout or runtime.default_timeout()
 
 
 def _marker_timeout(item: pytest.Item) -> float | None:
@@ -554,8 +529,12 @@ def _marker_timeout(item: pytest.Item) -> float | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
-    """pytest-timeout: for tests on gangs we own the timer (it dumps every rank's stack)."""
-    if not runs_on_ranks(item):
+    """pytest-timeout: for tests on gangs the driver owns the timer (it dumps every rank's
+    stack); on a gang's rank, no timer (its driver's covers every rank)."""
+    runtime = item.config.stash[RUNTIME]
+    if inprocess.on_gang_rank():
+        return True
+    if not runtime.runs_on_ranks(item):
         return None
     item.stash[TIMEOUT] = float(settings.timeout)
     return True
@@ -563,24 +542,8 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if runs_on_ranks(item) else None
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator:
-    report = yield
-    results = item.stash.get(RESULTS, None)
-    if call.when != "call" or results is None:
-        return report
-    report.sections.extend(reporting.output_sections(results, "call"))
-    error = call.excinfo.value if call.excinfo is not None else None
-    path, lineno, _ = item.reportinfo()
-    location = (str(path), (lineno or 0) + 1)
-    if isinstance(error, RankFailures):
-        report.longrepr = RankFailuresRepr(error.verdict, results, location)
-    elif report.skipped and not hasattr(report, "wasxfail"):
-        report.longrepr = (*location, f"Skipped: {error.msg if error else ''}")
-    return report
+    runtime = item.config.stash[RUNTIME]
+    return True if inprocess.on_gang_rank() or runtime.runs_on_ranks(item) else None
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -597,37 +560,41 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # -- fixtures ---------------------------------------------------------------------------------
 
 
-def _torchrun_info(request: pytest.FixtureRequest) -> RankInfo | None:
-    """This process's rank under torchrun; None in a driver (which is rank 0 of a world of 1)."""
-    torchrun = request.config.stash[RUNTIME].torchrun
-    return torchrun.info if torchrun is not None else None
+def _rank_info(request: pytest.FixtureRequest) -> RankInfo | None:
+    """This process's rank on a gang or under torchrun; None in a driver (which is rank 0 of a
+    world of 1)."""
+    if request.config.stash[RUNTIME].inprocess is None:
+        return None
+    from .rank import rank_info
+
+    return rank_info()
 
 
 @pytest.fixture
 def rank(request: pytest.FixtureRequest) -> int:
     """This rank's global rank (0 in the driver)."""
-    info = _torchrun_info(request)
+    info = _rank_info(request)
     return info.rank if info else 0
 
 
 @pytest.fixture
 def world_size(request: pytest.FixtureRequest) -> int:
     """Number of ranks in the test's gang (1 in the driver)."""
-    info = _torchrun_info(request)
+    info = _rank_info(request)
     return info.world_size if info else 1
 
 
 @pytest.fixture
 def local_rank(request: pytest.FixtureRequest) -> int:
     """This rank's index on its host (0 in the driver)."""
-    info = _torchrun_info(request)
+    info = _rank_info(request)
     return info.local_rank if info else 0
 
 
 @pytest.fixture
 def device(request: pytest.FixtureRequest) -> Any:
     """torch.device of this rank: its own GPU, or the CPU."""
-    info = _torchrun_info(request)
+    info = _rank_info(request)
     if info:
         return info.device
     import torch  # only here: the other rank fixtures must not make a driver import torch
@@ -647,8 +614,8 @@ class GangHandle:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`fn(*args, **kwargs)` on every rank; the per-rank return values in rank order."""
-        if self._runtime.torchrun is not None:
-            return self._runtime.torchrun.run(fn, *args, **kwargs)
+        if self._runtime.inprocess is not None:
+            return self._runtime.inprocess.run(fn, *args, **kwargs)
         timeout = _marker_timeout(self._item) or self._runtime.default_timeout()
         module = self._item.module.__name__
         pool = self._runtime.pool

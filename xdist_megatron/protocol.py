@@ -8,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .explain import ExplainSettings
-
 
 class RankInfo(NamedTuple):
     """Where the calling code runs: returned by `xdist_megatron.rank_info()`."""
@@ -37,23 +35,25 @@ class RankSpec:
 
 
 @dataclass(frozen=True)
+class SessionArgs:
+    """What a rank needs to build the driver's pytest session again."""
+
+    args: list[str]
+    invocation_dir: str
+    sys_path: list[str]
+    basetemp: str  # the folder in which each rank makes its own basetemp and cache
+    capture: str  # the driver's --capture method
+
+
+@dataclass(frozen=True)
 class TestJob:
-    """Run one test function's body on a rank."""
+    """Run one test's whole pytest protocol on a rank, in the rank's own pytest session."""
 
     nodeid: str
-    module_name: str
-    module_path: str
-    sys_path: list[str]
-    class_path: str | None  # qualified class name inside the module, or None
-    function_name: str
-    fixtures: bytes  # pickled {name: value} of the driver-resolved arguments
-    native_names: tuple[str, ...]  # rank-native fixtures the function takes
-    tbstyle: str
-    showlocals: bool
-    capture: bool
-    teardown_class: bool  # run teardown_class after this test (the class ends here)
-    layout: tuple | None = None  # Megatron layout of @pytest.mark.megatron, kept between tests
-    explain: ExplainSettings = ExplainSettings()  # how to explain a failed comparison
+    module_path: str  # collected on the rank on its first test there
+    next_nodeid: str | None  # the next test this gang runs, if known: pytest's nextitem
+    session: SessionArgs
+    capture: bool  # capture the rank's fds during the job (off with -s)
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,18 @@ class CleanupJob:
 
 @dataclass(frozen=True)
 class ResetJob:
-    """Module boundary: restore the state each rank recorded right after it started."""
+    """Module boundary: end the scopes the last module kept, then restore the state each rank
+    recorded right after it started."""
 
 
 @dataclass(frozen=True)
 class ShutdownJob:
-    """Leave the process group and exit."""
+    """End the rank's pytest session (session-scoped fixtures), leave the process group, exit."""
 
 
 Job = TestJob | CallJob | CleanupJob | ResetJob | ShutdownJob
 
-PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+PASSED, FAILED = "passed", "failed"
 
 
 @dataclass
@@ -90,15 +91,24 @@ class RankResult:
     """What one rank reports for one job."""
 
     rank: int
-    outcome: str  # PASSED, FAILED, SKIPPED or XFAILED
-    message: str = ""  # one line: the exception, or the skip/xfail reason
+    outcome: str  # PASSED, or FAILED: the job failed, or the rank is not fit for the next one
+    message: str = ""  # one line: the exception
     longrepr: Any = None  # pytest's failure representation (or text) for failures
     crash: tuple[str, int] | None = None  # (path, lineno) of the failure
     stdout: str = ""
     stderr: str = ""
     duration: float = 0.0
     value: Any = None  # CallJob return value
-    final: bool = True  # False: the test body's outcome, sent before the collective cleanup
+    reports: list[dict] = field(default_factory=list)  # a TestJob's serialised pytest reports
+    note: str = ""  # what the rank repaired after the job (said in the terminal summary)
+
+
+@dataclass(frozen=True)
+class PhaseReport:
+    """One serialised pytest report of a TestJob, sent as soon as the rank's runner made it."""
+
+    rank: int
+    data: dict
 
 
 @dataclass(frozen=True)

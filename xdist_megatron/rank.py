@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -23,11 +24,10 @@ from .capture import FdCapture, capture_prefix
 from .protocol import (
     FAILED,
     PASSED,
-    SKIPPED,
-    XFAILED,
     CallJob,
     CleanupJob,
     Job,
+    PhaseReport,
     RankInfo,
     RankResult,
     RankSpec,
@@ -42,13 +42,15 @@ STACK_SIGNAL = signal.SIGUSR1
 _WATCH_INTERVAL = 0.5
 
 _info: RankInfo | None = None
+_store: Any = None  # this rank's client of the driver's store
+_finish_lines = 0
 
 
 def rank_info() -> RankInfo:
     """Rank, world size, local rank and device of the calling rank process."""
     if _info is not None:
         return _info
-    from .passthrough import torchrun_rank_info
+    from .inprocess import torchrun_rank_info
 
     info = torchrun_rank_info()
     if info is None:
@@ -74,20 +76,21 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     gc.freeze()  # start-up objects are permanent: keep the per-test gc.collect() cheap
     conn.send(Ready(spec.rank, os.getpid()))
     workdir = os.path.dirname(spec.stack_path)
-    runner = _JobRunner(spec.rank, startup, capture_prefix(workdir, os.getpid()))
+    runner = _JobRunner(spec, startup, capture_prefix(workdir, os.getpid()), conn.send)
     while True:
         try:
             job = conn.recv()
         except EOFError:
             return 0
         if isinstance(job, ShutdownJob):
+            runner.finish()
             _leave_process_group()
             return 0
-        runner.run(job, conn.send)
+        runner.run(job)
 
 
 def _join_process_group(spec: RankSpec) -> None:
-    global _info
+    global _info, _store
     import torch
     import torch.distributed as dist
 
@@ -110,6 +113,20 @@ def _join_process_group(spec: RankSpec) -> None:
     )
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size)
     _info = RankInfo(spec.rank, spec.world_size, int(spec.env["LOCAL_RANK"]), device)
+    _store = store
+
+
+def finish_line() -> None:
+    """Wait until every rank of the gang is done with its test, through the driver's store: no
+    collective, so a rank that failed early never meets a peer's collective with its own. The
+    driver bounds the wait (a peer that never comes is hung or dead)."""
+    global _finish_lines
+    assert _store is not None and _info is not None
+    _finish_lines += 1
+    key = f"xdist-megatron/finished/{_finish_lines}"
+    if _store.add(key, 1) == _info.world_size:
+        _store.set(f"{key}/all", "")
+    _store.wait([f"{key}/all"], timedelta(days=1))
 
 
 def _leave_process_group() -> None:
@@ -145,49 +162,40 @@ def _alive(pid: int) -> bool:
 
 
 class _JobRunner:
-    """Runs jobs on this rank and keeps what lives between them (the open test class)."""
+    """Runs jobs on this rank and keeps what lives between them: its pytest session."""
 
-    def __init__(self, rank: int, startup: Any, capture_prefix: str) -> None:
-        self.rank = rank
+    def __init__(
+        self, spec: RankSpec, startup: Any, capture_prefix: str, send: Callable[[Any], None]
+    ) -> None:
+        self.spec = spec
+        self.rank = spec.rank
         self.capture_prefix = capture_prefix
         self.startup = startup
-        self.open_class: type | None = None
-        self.function: Any = None  # the test function being run, to cut tracebacks at it
-        self.layout: Any = None  # the Megatron layout kept alive for the next tests
+        self.send = send
+        self.session: Any = None  # the rank's pytest session, built on its first test
+        self._restores = 0
 
-    def run(self, job: Job, send: Any) -> None:
-        """Run `job` and send its result. A test whose body did not fail on this rank first
-        reports that provisional result, then takes part in the collective cleanup: should a
-        peer's failure leave this rank stuck there, the driver still knows its body passed."""
+    def run(self, job: Job) -> None:
+        """Run `job` and send its result (a test's reports were sent as they were made)."""
         start = time.perf_counter()
         capture = job.capture if isinstance(job, TestJob) else True
         with FdCapture(capture, self.capture_prefix) as out:
             result = self._dispatch(job)
         result.stdout, result.stderr = out.stdout, out.stderr
         result.duration = time.perf_counter() - start
-        if isinstance(job, TestJob) and result.outcome != FAILED:
-            result.final = False
-            send(result)
-            result = self._cleanup_after_test(job, result)
-            result.duration = time.perf_counter() - start
-        result.final = True
-        send(result)
+        self.send(result)
 
-    def _cleanup_after_test(self, job: TestJob, result: RankResult) -> RankResult:
-        with FdCapture(job.capture, self.capture_prefix) as out:
+    def finish(self) -> None:
+        """End of the gang: the session's fixtures and hooks end (errors go to the log)."""
+        if self.session is not None:
             try:
-                self._cleanup()
-            except BaseException as exc:
-                failure = _test_failure(self.rank, exc, job, None)
-            else:
-                failure = None
-        final = failure or result
-        final.stdout, final.stderr = result.stdout + out.stdout, result.stderr + out.stderr
-        return final
+                self.session.finish()
+            except BaseException:
+                traceback.print_exc()
 
     def _dispatch(self, job: Job) -> RankResult:
         if isinstance(job, TestJob):
-            return self._run_test(job)
+            return self._guarded(lambda: self._run_test(job))
         if isinstance(job, CallJob):
             return self._run_call(job)
         if isinstance(job, CleanupJob):
@@ -196,25 +204,77 @@ class _JobRunner:
             return self._guarded(self._reset)
         raise TypeError(f"unknown job {job!r}")
 
-    def _guarded(self, action: Any) -> RankResult:
+    def _guarded(self, action: Callable[[], str | None]) -> RankResult:
         try:
-            action()
+            note = action()
         except BaseException as exc:
             return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
-        return RankResult(self.rank, PASSED)
+        return RankResult(self.rank, PASSED, note=note or "")
+
+    def _run_test(self, job: TestJob) -> str:
+        """The test's protocol in the rank's session, then the checks that keep the gang."""
+        if self.session is None:
+            self.session = self._open_session(job)
+        self.session.run(job.nodeid, job.module_path, job.next_nodeid)
+        note = self._repair_default_group()
+        _check_health()
+        return note
+
+    def _open_session(self, job: TestJob) -> Any:
+        from .inprocess import PLUGIN_NAME
+        from .rank_session import RankSession
+
+        session = RankSession(job.session, self.rank, self._send_report)
+        session.config.pluginmanager.get_plugin(PLUGIN_NAME).set_startup(self.startup)
+        return session
+
+    def _send_report(self, data: dict) -> None:
+        self.send(PhaseReport(self.rank, data))
+
+    def _in_process_rank(self) -> Any:
+        from .inprocess import PLUGIN_NAME
+
+        if self.session is None:
+            return None
+        return self.session.config.pluginmanager.get_plugin(PLUGIN_NAME)
 
     def _cleanup(self) -> None:
         from . import state
 
-        state.cleanup_after_job(keep_megatron=self.layout is not None)
+        plugin = self._in_process_rank()
+        if plugin is None:
+            state.cleanup_after_job()
+        else:
+            state.cleanup_after_job(plugin.holdings.groups, plugin.holdings.megatron)
 
     def _reset(self) -> None:
         from . import state
 
-        self._close_class()
-        self.layout = None
-        state.cleanup_after_job()
-        state.restore(self.startup)
+        plugin = self._in_process_rank()
+        if plugin is None:
+            state.cleanup_after_job()
+            state.restore(self.startup)
+            return
+        self.session.teardown_until(None)  # the last module's class and module scopes end
+        plugin.reset()
+
+    def _repair_default_group(self) -> str:
+        """A test that destroyed the default group, or re-created it with another size, leaves
+        the next test a working one of the gang's size (or the gang is retired)."""
+        import torch.distributed as dist
+
+        size = dist.get_world_size() if dist.is_initialized() else None
+        if size == self.spec.world_size:
+            return ""
+        if size is not None:
+            dist.destroy_process_group()
+        self._restores += 1
+        store = dist.PrefixStore(f"xdist-megatron/restored/{self._restores}", _store)
+        dist.init_process_group(
+            self.spec.backend, store=store, rank=self.rank, world_size=self.spec.world_size
+        )
+        left = "destroyed" if size is None else f"re-created with {size} ranks"
+        return f"the test left the default process group {left}; the gang restored it"
 
     def _run_call(self, job: CallJob) -> RankResult:
         if job.sys_path:
@@ -229,64 +289,15 @@ class _JobRunner:
             return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
         return RankResult(self.rank, PASSED, value=value)
 
-    def _run_test(self, job: TestJob) -> RankResult:
-        from _pytest.outcomes import Skipped, XFailed
 
-        from .explain import explaining
+def _check_health() -> None:
+    """After a test: no CUDA error pending, and the default group still answers."""
+    import torch
+    import torch.distributed as dist
 
-        self.function = None
-        try:
-            with explaining(job.explain):
-                self._call_test(job)
-        except Skipped as exc:
-            return RankResult(self.rank, SKIPPED, exc.msg or "skipped")
-        except XFailed as exc:
-            return RankResult(self.rank, XFAILED, exc.msg or "xfail")
-        except BaseException as exc:
-            return _test_failure(self.rank, exc, job, self.function)
-        return RankResult(self.rank, PASSED)
-
-    def _call_test(self, job: TestJob) -> None:
-        from .importer import import_test_module
-
-        module = import_test_module(job.module_name, job.module_path, job.sys_path)
-        self._set_layout(job.layout)
-        kwargs = pickle.loads(job.fixtures)
-        kwargs.update(_native_values(job.native_names))
-        if job.class_path is None:
-            self.function = getattr(module, job.function_name)
-            self.function(**kwargs)
-            return
-        cls = _resolve(module, job.class_path)
-        self._open(cls)
-        instance = cls()
-        self.function = getattr(instance, job.function_name)
-        _call_xunit(instance, "setup_method", self.function)
-        try:
-            self.function(**kwargs)
-        finally:
-            _call_xunit(instance, "teardown_method", self.function)
-            if job.teardown_class:
-                self._close_class()
-
-    def _set_layout(self, layout: Any) -> None:
-        """Bring up the test's Megatron layout, reusing the kept one when it matches."""
-        from . import layouts
-
-        kept, self.layout = self.layout, None  # None until done: never keep a half-built state
-        self.layout = layouts.switch(layout, kept)
-
-    def _open(self, cls: type) -> None:
-        if self.open_class is cls:
-            return
-        self._close_class()
-        _call_xunit(cls, "setup_class")
-        self.open_class = cls
-
-    def _close_class(self) -> None:
-        cls, self.open_class = self.open_class, None
-        if cls is not None:
-            _call_xunit(cls, "teardown_class")
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 def _import_driver_main(path: str) -> None:
@@ -304,72 +315,6 @@ def _import_driver_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
-def _native_values(names: tuple[str, ...]) -> dict[str, Any]:
-    info = rank_info()
-    values = {
-        "rank": info.rank,
-        "world_size": info.world_size,
-        "local_rank": info.local_rank,
-        "device": info.device,
-    }
-    return {name: values[name] for name in names}
-
-
-def _resolve(module: Any, dotted: str) -> Any:
-    target = module
-    for part in dotted.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def _call_xunit(owner: Any, name: str, *args: Any) -> None:
-    """Call an xunit hook if `owner` defines one; like pytest, the argument is optional."""
-    hook = getattr(owner, name, None)
-    if hook is None:
-        return
-    import inspect
-
-    try:
-        arity = len(inspect.signature(hook).parameters)
-    except (TypeError, ValueError):
-        arity = len(args)
-    if isinstance(owner, type) and not inspect.ismethod(hook):
-        hook(owner, *args[: max(arity - 1, 0)])
-    else:
-        hook(*args[:arity])
-
-
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def _test_failure(rank: int, exc: BaseException, job: TestJob, function: Any) -> RankResult:
-    """A failed test, formatted as pytest formats a local failure, in the run's --tb style."""
-    from _pytest._code import Code, ExceptionInfo
-    from _pytest.outcomes import Failed
-
-    excinfo = ExceptionInfo.from_exception(exc)
-    if function is not None:
-        code = Code.from_function(function)
-        cut = excinfo.traceback.cut(path=code.path, firstlineno=code.firstlineno)
-        if cut:
-            excinfo.traceback = cut
-    excinfo.traceback = excinfo.traceback.filter(excinfo)
-    style = {"auto": "long", "line": "short", "no": "short"}.get(job.tbstyle, job.tbstyle)
-    if isinstance(exc, Failed) and not exc.pytrace:
-        style = "value"
-    try:
-        longrepr: Any = excinfo.getrepr(
-            style=style, showlocals=job.showlocals, funcargs=True, truncate_locals=True
-        )
-        crash = longrepr.reprcrash
-        message = crash.message if crash is not None else _one_line(exc)
-        location = (crash.path, crash.lineno) if crash is not None else None
-    except Exception:
-        longrepr, message, location = traceback.format_exc(), _one_line(exc), None
-    try:
-        pickle.dumps(longrepr)
-    except Exception:
-        longrepr = str(longrepr)
-    return RankResult(rank, FAILED, message, longrepr, location)

@@ -1,93 +1,171 @@
-"""Merging per-rank results into one pytest outcome, with a failure section per rank."""
+"""One pytest report per phase for a test that ran on a gang, merged from its ranks' reports.
+
+Each rank ran the test's protocol with pytest's own runner and sent its reports serialised, as an
+xdist worker does. The driver logs one report per phase: passed when every rank passed, skipped
+(or xfailed) when every rank did, failed otherwise, with a `rank R` section per failing rank and
+each rank's captured output. What a rank could not report itself (it died, hung, or failed the
+checks after its test) joins its reports as a failure of the phase it was in.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
+import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from .protocol import FAILED, PASSED, SKIPPED, XFAILED, RankResult
+from .protocol import FAILED, RankResult
 
-
-@dataclass
-class Verdict:
-    """What the test as a whole did."""
-
-    outcome: str
-    message: str  # skip/xfail reason, or the one-line failure naming the ranks
-    failed_ranks: list[int]
-
-
-def merge(results: list[RankResult]) -> Verdict:
-    """Passed when every rank passed; skipped/xfailed when all agree; failed otherwise."""
-    outcomes = {r.outcome for r in results}
-    if len(outcomes) == 1 and outcomes.pop() in (PASSED, SKIPPED, XFAILED):
-        return Verdict(results[0].outcome, results[0].message, [])
-    failed = [r for r in results if r.outcome == FAILED]
-    if failed:
-        ranks = [r.rank for r in failed]
-        return Verdict(FAILED, f"{_rank_words(ranks)} failed: {failed[0].message}", ranks)
-    summary = ", ".join(f"rank {r.rank} {_outcome_words(r)}" for r in results)
-    disagreeing = [r.rank for r in results if r.outcome != results[0].outcome]
-    return Verdict(FAILED, f"ranks disagree: {summary}", disagreeing)
-
-
-class RankFailures(Exception):
-    """Raised in the driver for a test that failed on its ranks; the report shows each rank."""
-
-    def __init__(self, verdict: Verdict) -> None:
-        super().__init__(verdict.message)
-        self.verdict = verdict
+PHASES = ("setup", "call", "teardown")
 
 
 class RankFailuresRepr(TerminalRepr):
     """Per failing rank, what pytest shows for a local failure, headed `rank R`."""
 
-    def __init__(
-        self, verdict: Verdict, results: list[RankResult], location: tuple[str, int]
-    ) -> None:
-        self.verdict = verdict
-        self.results = results
-        path, lineno = location
-        for result in results:
-            if result.outcome == FAILED and result.crash is not None:
-                path, lineno = result.crash
-                break
-        self.reprcrash = ReprFileLocation(path, lineno, verdict.message)
+    def __init__(self, headline: str, failures: list[tuple[int, Any]], crash: tuple[str, int]):
+        self.headline = headline
+        self.failures = failures
+        self.reprcrash = ReprFileLocation(crash[0], crash[1], headline)
 
     def toterminal(self, tw: TerminalWriter) -> None:
-        if not self.verdict.failed_ranks or self.verdict.message.startswith("ranks disagree"):
-            tw.line(self.verdict.message, red=True, bold=True)
-        for result in self.results:
-            if result.rank not in self.verdict.failed_ranks:
-                continue
-            tw.sep("-", f"rank {result.rank}", red=True)
-            body = result.longrepr if result.outcome == FAILED else _outcome_words(result)
-            if hasattr(body, "toterminal"):
-                body.toterminal(tw)
+        tw.line(self.headline, red=True, bold=True)
+        for rank, longrepr in self.failures:
+            tw.sep("-", f"rank {rank}", red=True)
+            if hasattr(longrepr, "toterminal"):
+                longrepr.toterminal(tw)
             else:
-                for line in str(body or result.message).splitlines():
+                for line in str(longrepr).splitlines():
                     tw.line(line)
 
 
-def _outcome_words(result: RankResult) -> str:
-    if result.outcome in (SKIPPED, XFAILED) and result.message:
-        return f"{result.outcome} ({result.message})"
-    return result.outcome
-
-
-def _rank_words(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(str(r) for r in ranks)
-
-
-def output_sections(results: list[RankResult], when: str) -> list[tuple[str, str]]:
-    """Report sections `Captured stdout call (rank R)` for each rank that printed."""
-    sections = []
+def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestReport]:
+    """The reports the driver logs for `item`, one per phase the ranks reached."""
+    config = item.config
+    per_rank: dict[int, dict[str, pytest.TestReport]] = {}
     for result in results:
-        for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
-            if text:
-                sections.append((f"Captured {stream} {when} (rank {result.rank})", text))
-    return sections
+        loaded = (
+            config.hook.pytest_report_from_serializable(config=config, data=d)
+            for d in result.reports
+        )
+        per_rank[result.rank] = {report.when: report for report in loaded}
+    synthetic = {
+        (r.rank, _add_rank_failure(item, r, per_rank[r.rank]))
+        for r in results
+        if r.outcome == FAILED
+    }
+    for result in results:
+        _add_output(result, per_rank[result.rank])
+    merged: list[pytest.TestReport] = []
+    for when in PHASES:
+        phase = {rank: reports[when] for rank, reports in per_rank.items() if when in reports}
+        if when == "call" and merged and not merged[0].passed:
+            continue  # as pytest: no call after a setup that did not pass
+        if phase:
+            merged.append(_merge_phase(item, when, phase, synthetic))
+    if merged[-1].when != "teardown":
+        merged.append(_report(item, "teardown", "passed", None))
+    return merged
+
+
+def _add_rank_failure(
+    item: pytest.Item, result: RankResult, reports: dict[str, pytest.TestReport]
+) -> str | None:
+    """Put what the driver saw of a rank (death, hang, failed checks) into the phase the rank
+    was in; returns that phase (None when the rank's own reports already say it failed)."""
+    if result.longrepr is None and any(r.failed for r in reports.values()):
+        return None
+    text = (
+        result.message
+        if result.longrepr in (None, result.message)
+        else (f"{result.message}\n{result.longrepr}")
+    )
+    if "setup" not in reports:
+        when = "setup"
+    elif reports["setup"].passed and "call" not in reports:
+        when = "call"
+    else:
+        when = "teardown"
+    earlier = reports.get(when)
+    if earlier is not None and earlier.failed:
+        text = f"{earlier.longrepr}\n{text}"
+    report = _report(item, when, "failed", text)
+    if earlier is not None:
+        report.sections = earlier.sections
+        report.duration = earlier.duration
+    reports[when] = report
+    return when
+
+
+def _add_output(result: RankResult, reports: dict[str, pytest.TestReport]) -> None:
+    """What the rank wrote to its file descriptors (C++ extensions, a dying rank's last words)
+    joins its call report's sections (or its last report's)."""
+    if not reports:
+        return
+    when = "call" if "call" in reports else list(reports)[-1]
+    report = reports[when]
+    for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+        if text:
+            report.sections.append((f"Captured {stream} {when}", text))
+
+
+def _merge_phase(
+    item: pytest.Item,
+    when: str,
+    phase: dict[int, pytest.TestReport],
+    synthetic: set[tuple[int, str | None]],
+) -> pytest.TestReport:
+    ranks = sorted(phase)
+    first = phase[ranks[0]]
+    sections = [(f"{name} (rank {r})", text) for r in ranks for name, text in phase[r].sections]
+    failed = [r for r in ranks if phase[r].failed]
+    kinds = {(phase[r].outcome, hasattr(phase[r], "wasxfail")) for r in ranks}
+    if failed:
+        failed.sort(key=lambda r: ((r, when) in synthetic, r))  # the cause first
+        longrepr: Any = _failures_repr(item, failed, phase)
+        merged = _report(item, when, "failed", longrepr)
+    elif len(kinds) == 1:
+        merged = _report(item, when, first.outcome, first.longrepr)
+        if hasattr(first, "wasxfail"):
+            merged.wasxfail = first.wasxfail  # type: ignore[attr-defined]
+    else:
+        summary = ", ".join(f"rank {r} {_outcome_words(phase[r])}" for r in ranks)
+        headline = f"ranks disagree: {summary}"
+        merged = _report(item, when, "failed", RankFailuresRepr(headline, [], _location(item)))
+    merged.sections = sections
+    merged.duration = max(phase[r].duration for r in ranks)
+    merged.keywords = first.keywords
+    merged.user_properties = first.user_properties
+    return merged
+
+
+def _failures_repr(
+    item: pytest.Item, failed: list[int], phase: dict[int, pytest.TestReport]
+) -> RankFailuresRepr:
+    cause = phase[failed[0]].longrepr
+    crash = getattr(cause, "reprcrash", None)
+    message = crash.message if crash is not None else str(cause).strip().splitlines()[0]
+    headline = f"rank {failed[0]}: {message}"
+    if len(failed) > 1:
+        headline += f" (ranks {', '.join(map(str, sorted(failed)))} failed)"
+    location = (crash.path, crash.lineno) if crash is not None else _location(item)
+    return RankFailuresRepr(headline, [(r, phase[r].longrepr) for r in failed], location)
+
+
+def _location(item: pytest.Item) -> tuple[str, int]:
+    path, lineno, _ = item.reportinfo()
+    return str(path), (lineno or 0) + 1
+
+
+def _report(item: pytest.Item, when: str, outcome: str, longrepr: Any) -> pytest.TestReport:
+    return pytest.TestReport(
+        item.nodeid, item.location, {}, outcome, longrepr, when, sections=[], duration=0.0
+    )
+
+
+def _outcome_words(report: pytest.TestReport) -> str:
+    if hasattr(report, "wasxfail"):
+        return "xfailed" if report.skipped else "xpassed"
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return f"skipped ({report.longrepr[2]})"
+    return report.outcome

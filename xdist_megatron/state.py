@@ -55,35 +55,77 @@ def snapshot() -> StartupState:
     )
 
 
-def restore(state: StartupState) -> None:
+def restore(
+    state: StartupState, keep_groups: Iterable[object] = (), keep_megatron: bool = False
+) -> None:
     """Called at a module boundary on every rank (all ranks call it, same order): restore everything
-    recorded. Raises on failure (the caller then retires the gang)."""
+    recorded. What a live session-scoped fixture holds (`keep_groups`, and Megatron's state when
+    `keep_megatron`) stays. Raises on failure (the caller then retires the gang)."""
     # Nothing was initialised at start-up, so the library teardown is the whole restore for them.
-    _teardown_transformer_engine()
-    _teardown_megatron(keep_parallel_state=False)
-    _destroy_process_groups(keep=())
+    if not keep_megatron:
+        _teardown_transformer_engine()
+        _teardown_megatron(keep_parallel_state=False)
+    _destroy_process_groups(keep=_kept(keep_groups, keep_megatron))
     gc.collect()
     _write_settings(state.settings)
     _restore_rng(state)
     _restore_environ(state.environ)
 
 
-def cleanup_after_job(keep_megatron: bool = False) -> None:
+def cleanup_after_job(keep_groups: Iterable[object] = (), keep_megatron: bool = False) -> None:
     """Called on every rank after every job (all ranks call it collectively). An error here (e.g. a
     sticky CUDA error surfacing from torch.cuda.synchronize) must propagate so the test that caused
     it fails.
 
-    keep_megatron keeps megatron.core.parallel_state and its process groups, so that the next test
-    of the same Megatron layout can reuse them; every other singleton is still reset.
+    What a wider fixture scope still holds stays: the process groups in `keep_groups` and, with
+    `keep_megatron`, Megatron's and Transformer Engine's state and parallel_state's groups (a kept
+    layout, or a class fixture that initialised the model parallel state).
     """
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
-    _teardown_transformer_engine()
-    _teardown_megatron(keep_parallel_state=keep_megatron)
-    _destroy_process_groups(keep=_megatron_process_groups() if keep_megatron else ())
-    gc.collect()  # finalizers of destroyed groups must run before the next job starts
+    if not keep_megatron:
+        _teardown_transformer_engine()
+        _teardown_megatron(keep_parallel_state=False)
+    if _destroy_process_groups(keep=_kept(keep_groups, keep_megatron)):
+        gc.collect()  # finalizers of destroyed groups must run before the next job starts
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def release(groups: Iterable[object], megatron: bool) -> None:
+    """A fixture scope ended: drop the groups and library state its fixture created."""
+    if megatron:
+        _teardown_transformer_engine()
+        _teardown_megatron(keep_parallel_state=False)
+    alive = {id(group) for group in process_groups()}
+    doomed = [group for group in groups if id(group) in alive]
+    if doomed and dist.is_initialized():
+        dist.barrier()
+        for group in doomed:
+            dist.destroy_process_group(group)
+
+
+def process_groups() -> list[object]:
+    """Every registered process group but the default one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    world = dist.distributed_c10d._world
+    return [pg for pg in world.pg_map if pg is not world.default_pg]
+
+
+def megatron_fingerprint() -> tuple[object, ...]:
+    """Identities of Megatron's singletons: a change means code set Megatron state up."""
+    if "megatron.core" not in sys.modules:
+        return ()
+    parallel_state = sys.modules.get(_PARALLEL_STATE)
+    values = [getattr(parallel_state, "_TENSOR_MODEL_PARALLEL_GROUP", None)]
+    for module_name, name in _MEGATRON_SINGLETONS:
+        values.append(getattr(sys.modules.get(module_name), name, None))
+    return tuple(id(v) for v in values)
+
+
+def _kept(keep_groups: Iterable[object], keep_megatron: bool) -> list[object]:
+    return [*keep_groups, *(_megatron_process_groups() if keep_megatron else ())]
 
 
 # --- torch settings ------------------------------------------------------------------------------
@@ -267,19 +309,21 @@ def _restore_environ(saved: dict[str, str]) -> None:
 # --- process groups ------------------------------------------------------------------------------
 
 
-def _destroy_process_groups(keep: Iterable[object]) -> None:
-    """Destroy every process group but the default one and those in `keep`.
+def _destroy_process_groups(keep: Iterable[object]) -> bool:
+    """Destroy every process group but the default one and those in `keep`; whether any went.
 
     Collective: a barrier first, so that no rank destroys a group another rank still uses, then
-    creation order, which is the same on every member of a group.
+    creation order, which is the same on every member of a group (groups are created by every
+    rank of the default group, so every rank has the same ones to destroy).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    dist.barrier()
-    world = dist.distributed_c10d._world
     kept = {id(group) for group in keep}
-    for group in [pg for pg in world.pg_map if pg is not world.default_pg and id(pg) not in kept]:
+    doomed = [group for group in process_groups() if id(group) not in kept]
+    if not doomed:
+        return False
+    dist.barrier()
+    for group in doomed:
         dist.destroy_process_group(group)
+    return True
 
 
 def _process_groups_in(value: object) -> Iterator[object]:
@@ -332,6 +376,12 @@ _MEGATRON_RESETS = (
     ("megatron.core.transformer.moe.moe_logging", "destroy_moe_metrics_tracker"),
     ("megatron.core.transformer.moe.moe_logging", "destroy_moe_overload_factor_tracker"),
     ("megatron.core.transformer.cuda_graphs", "delete_cuda_graphs"),
+)
+# Singletons whose identity tells that a fixture set Megatron up (see megatron_fingerprint).
+_MEGATRON_SINGLETONS = (
+    ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER"),
+    ("megatron.core.num_microbatches_calculator", "_GLOBAL_NUM_MICROBATCHES_CALCULATOR"),
+    (_PARALLEL_STATE, "_GLOBAL_MEMORY_BUFFER"),
 )
 _MEGATRON_RNG_TRACKERS = (
     "megatron.core.tensor_parallel.random",

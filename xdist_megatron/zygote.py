@@ -43,7 +43,12 @@ BASE_PRELOAD = (
     "_pytest.assertion.rewrite",
     "xdist_megatron.rank",
     "xdist_megatron.state",
-    "xdist_megatron.importer",
+    "xdist_megatron.rank_session",
+    "_pytest.config",
+    "_pytest.main",
+    "_pytest.python",
+    "_pytest.fixtures",
+    "_pytest.runner",
 )
 
 

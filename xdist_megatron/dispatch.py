@@ -1,0 +1,88 @@
+"""The driver's side of a test that runs on a gang: send its identity, log what its ranks did.
+
+The driver runs none of the test's protocol itself, as xdist's controller runs none of its
+workers' tests: it logs the start, sends the node id to the gang, and logs one report per phase,
+merged from the ranks' reports.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+
+from . import reporting
+from .gang import GangError
+from .markers import WORLD_SIZE
+from .protocol import TestJob
+from .zygote_client import ZygoteError
+
+if TYPE_CHECKING:
+    from .plugin import Runtime
+
+
+class GangWarning(UserWarning):
+    """Something a gang repaired or replaced while running a test."""
+
+
+class GangDispatch:
+    """pytest plugin of a driver: runs the protocol of the tests that belong on gangs."""
+
+    def __init__(self, runtime: Runtime, timeout_of: Callable[[pytest.Item], float]) -> None:
+        self.runtime = runtime
+        self.timeout_of = timeout_of
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
+        if not self.runtime.runs_on_ranks(item):
+            return None  # type: ignore[return-value]
+        ihook = item.ihook
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in self._run(item, nextitem):
+            ihook.pytest_runtest_logreport(report=report)
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _run(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+        runtime = self.runtime
+        size = item.stash[WORLD_SIZE]
+        runtime.trim_gangs(size)
+        job = TestJob(
+            nodeid=item.nodeid,
+            module_path=str(item.path),
+            next_nodeid=runtime.next_on_gang(item, nextitem),
+            session=runtime.session_args(),
+            capture=item.config.getoption("capture", "fd") != "no",
+        )
+        module = item.nodeid.split("::")[0]
+        try:
+            results = runtime.pool.run(size, module, job, self.timeout_of(item))
+        except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
+            return _no_gang(item, str(exc))
+        for result in results:
+            if result.note:
+                _say(item, f"rank {result.rank}: {result.note}")
+        return reporting.merge(item, results)
+
+
+def _no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
+    """The test failed because it had no gang to run on."""
+    return [
+        pytest.TestReport(item.nodeid, item.location, {}, outcome, longrepr, when)
+        for when, outcome, longrepr in (
+            ("setup", "passed", None),
+            ("call", "failed", why),
+            ("teardown", "passed", None),
+        )
+    ]
+
+
+def _say(item: pytest.Item, text: str) -> None:
+    """A warning of the test, in pytest's warnings summary (xdist forwards it too)."""
+    path, lineno, _ = item.location
+    message = warnings.WarningMessage(GangWarning(text), GangWarning, path, (lineno or 0) + 1)
+    item.ihook.pytest_warning_recorded.call_historic(
+        kwargs=dict(warning_message=message, when="runtest", nodeid=item.nodeid, location=None)
+    )

@@ -1,0 +1,155 @@
+"""A rank that runs tests' protocol in its own process: a gang's rank, driven test by test by its
+driver, or a rank that `torchrun -m pytest` started (the passthrough).
+
+Both run a marked test's fixtures and body right here, with the same Megatron layouts, the same
+per-test cleanup and the same care for what wider fixture scopes hold. Under torchrun every rank
+runs the whole session, so it also crosses module boundaries itself; a gang's driver tells it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+from . import layouts, markers
+from .holdings import ScopeHoldings
+from .protocol import RankInfo
+from .zygote import ZYGOTE_VAR
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+PLUGIN_NAME = "xdist-megatron-rank"
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (and not in one of our own ranks)."""
+    return all(v in os.environ for v in TORCHRUN_VARS) and ZYGOTE_VAR not in os.environ
+
+
+def on_gang_rank() -> bool:
+    """True in a rank process of one of our gangs."""
+    return ZYGOTE_VAR in os.environ and "RANK" in os.environ
+
+
+def torchrun_rank_info() -> RankInfo | None:
+    """This torchrun rank's RankInfo, or None outside torchrun."""
+    if not under_torchrun():
+        return None
+    import torch
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
+
+
+class InProcessRank:
+    """pytest plugin of a rank process: set up before each of its tests, clean after."""
+
+    def __init__(self, config: pytest.Config, finish_line: Callable[[], None] | None) -> None:
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.holdings = ScopeHoldings(self._rebase)
+        config.pluginmanager.register(self.holdings, "xdist-megatron-holdings")
+        # On a gang: a barrier through the driver's store that every rank passes once its test
+        # is over, before the collective cleanup (so the cleanup never meets a peer's collective).
+        self._finish_line = finish_line
+        self._startup: Any = None
+        self._module: str | None = None
+        self._layout: Any = None
+
+    @property
+    def on_gang(self) -> bool:
+        return self._finish_line is not None
+
+    def applies(self, item: pytest.Item) -> bool:
+        """Every test a gang sends runs here; under torchrun, the tests with a world size."""
+        return self.on_gang or markers.WORLD_SIZE in item.stash
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        if self.applies(item) and not self.on_gang:
+            self._enter_module(item.nodeid.split("::")[0])
+        result = yield  # skip markers evaluated and fixtures set up: the test will run
+        if self.applies(item):
+            self._switch_layout(item)
+        return result
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        try:
+            return (yield)
+        finally:
+            if self.applies(item):
+                self._after_test()
+
+    def _enter_module(self, module: str) -> None:
+        """Under torchrun: join the group, and reset when the test's module is a new one (the
+        last module's scopes ended with its last test)."""
+        from . import state
+
+        self._join()
+        if self._startup is None:
+            self._startup = state.snapshot()
+        if self._module not in (None, module):
+            self.reset()
+        self._module = module
+
+    def _switch_layout(self, item: pytest.Item) -> None:
+        kept, self._layout = self._layout, None  # None until done: never keep a half-built state
+        wanted = item.stash.get(layouts.LAYOUT, None)
+        self._layout = layouts.switch(wanted, kept, self.holdings.groups)
+
+    def _after_test(self) -> None:
+        from . import state
+
+        if self._finish_line is not None:
+            self._finish_line()
+        state.cleanup_after_job(
+            keep_groups=self.holdings.groups,
+            keep_megatron=self._layout is not None or self.holdings.megatron,
+        )
+
+    def reset(self) -> None:
+        """Module boundary (the module's own scopes already ended): back to the start-up state,
+        keeping what live session fixtures hold."""
+        from . import state
+
+        self._layout = None
+        state.cleanup_after_job(self.holdings.groups, self.holdings.megatron)
+        if self._startup is not None:
+            state.restore(self._startup, self.holdings.groups, self.holdings.megatron)
+
+    def set_startup(self, startup: Any) -> None:
+        self._startup = startup
+
+    def _rebase(self) -> None:
+        """A session fixture was set up: what it did is part of the state modules start from."""
+        from . import state
+
+        self._startup = state.snapshot()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """The `gang.run` of torchrun: call here, gather every rank's value."""
+        import torch.distributed as dist
+
+        self._join()
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, fn(*args, **kwargs))
+        return values
+
+    def _join(self) -> None:
+        """Under torchrun: join torchrun's group unless the suite's own code already did."""
+        import torch
+        import torch.distributed as dist
+
+        # As on a gang: the devices of this node's ranks, so a test can tell where it ran.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        os.environ.setdefault("XDIST_MEGATRON_DEVICES", ",".join(map(str, range(local))))
+        if dist.is_initialized():
+            return
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")

@@ -1,0 +1,161 @@
+"""A rank's own pytest session, so a marked test's whole protocol runs on the rank.
+
+As in a `torchrun -m pytest` rank: the session is built from the driver's arguments, ini and
+plugins (conftest files are imported here), a test's module is collected here on its first test,
+and pytest's own runner runs setup, call and teardown with its fixtures and hooks. Fixture scopes
+live as long as the rank: the driver names the next test this gang will run, and pytest's
+`nextitem` logic keeps what that test shares. Reports go back serialised, as xdist's do.
+
+Built on the rank's first test, never in the zygote: conftest files are test code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .protocol import SessionArgs
+
+# Options that make sense once per run, in the driver: a rank must not distribute, write the
+# driver's junit or report files, stop the session, debug on a terminal, or read the cache to
+# reorder and deselect (the driver already chose the tests).
+_DRIVER_ONLY_OPTIONS: dict[str, Any] = {
+    "numprocesses": None,
+    "maxprocesses": None,
+    "dist": "no",
+    "tx": [],
+    "looponfail": False,
+    "usepdb": False,
+    "trace": False,
+    "xmlpath": None,
+    "report_log": None,
+    "htmlpath": None,
+    "maxfail": 0,
+    "exitfirst": False,
+    "lf": False,
+    "failedfirst": False,
+    "newfirst": False,
+    "stepwise": False,
+    "stepwise_skip": False,
+    "cacheclear": False,
+    "collectonly": False,
+}
+
+
+@dataclass(frozen=True)
+class _NextOnGang:
+    """Stands in for the next test this gang runs when its module is not collected here yet:
+    pytest's teardown compares only the collector chain, which is known from the node id."""
+
+    chain: list[Any]
+
+    def listchain(self) -> list[Any]:
+        return self.chain
+
+
+class RankSession:
+    """The rank's pytest config and session, with the items it collected so far."""
+
+    def __init__(self, args: SessionArgs, rank: int, reports: Callable[[Any], None]) -> None:
+        from _pytest.config import _prepareconfig
+        from _pytest.main import Session
+
+        os.chdir(args.invocation_dir)
+        sys.path[:] = args.sys_path
+        cache = os.path.join(args.basetemp, f"cache-rank{rank}-{os.getpid()}")
+        rank_args = [*args.args, "-o", f"cache_dir={cache}"]
+        if args.capture == "fd":
+            # fd-level output of the test goes to the rank's own capture file, which outlives a
+            # rank that crashes; Python-level output still lands in pytest's report sections.
+            rank_args.append("--capture=sys")
+        with _quiet_stdout():
+            config = _prepareconfig(rank_args, None)
+            for name, value in _DRIVER_ONLY_OPTIONS.items():
+                if hasattr(config.option, name):
+                    setattr(config.option, name, value)
+            config.option.basetemp = os.path.join(args.basetemp, f"rank{rank}-{os.getpid()}")
+            config.pluginmanager.register(_ReportSender(config, reports), "xdist-megatron-sender")
+            config._do_configure()
+            self.config = config
+            self.session = Session.from_config(config)
+            config.hook.pytest_sessionstart(session=self.session)
+        self._items: dict[str, pytest.Item] = {}
+        self._collected: set[str] = set()
+
+    def run(self, nodeid: str, module_path: str, next_nodeid: str | None) -> None:
+        """Run one test's protocol (its reports go to the driver as they are made)."""
+        item = self._item(nodeid, module_path)
+        if item is None:
+            raise LookupError(f"{nodeid} was not collected on this rank")
+        self.teardown_until(item)  # scopes the last test kept that this one does not share
+        self.session.shouldfail = self.session.shouldstop = False
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=self._next(item, next_nodeid))
+
+    def teardown_until(self, nextitem: Any) -> None:
+        """Tear down the kept scopes that `nextitem` does not share (None: all but the session).
+
+        Only reached for scopes a test kept for a successor that did not come; pytest raises
+        their finalizers' errors here, with no test left to report them."""
+        keep = nextitem if nextitem is not None else _NextOnGang([self.session])
+        self.session._setupstate.teardown_exact(keep)
+
+    def finish(self) -> None:
+        """End of the gang: session-scoped fixtures end, then the session itself."""
+        try:
+            self.session._setupstate.teardown_exact(None)
+        finally:
+            self.config.hook.pytest_sessionfinish(session=self.session, exitstatus=0)
+            self.config._ensure_unconfigure()
+
+    def _item(self, nodeid: str, module_path: str) -> pytest.Item | None:
+        if nodeid not in self._items and module_path not in self._collected:
+            self._collected.add(module_path)
+            with _quiet_stdout():
+                items = self.session.perform_collect([module_path], genitems=True)
+            self._items.update((i.nodeid, i) for i in items)
+        return self._items.get(nodeid)
+
+    def _next(self, item: pytest.Item, next_nodeid: str | None) -> Any:
+        """The next test on this gang as pytest's teardown sees it."""
+        if next_nodeid is None:
+            return _NextOnGang([self.session])
+        known = self._items.get(next_nodeid)
+        if known is not None:
+            return known
+        return _NextOnGang([n for n in item.listchain() if _is_ancestor(n.nodeid, next_nodeid)])
+
+
+def _is_ancestor(nodeid: str, of: str) -> bool:
+    return nodeid in ("", ".") or of.startswith((nodeid + "::", nodeid + "/"))
+
+
+_DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - the rank's terminal, for its whole life
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Any:
+    """pytest's terminal reporter writes to the sys.stdout it finds at configure time: a rank's
+    terminal output has no reader, the driver reports for it."""
+    saved, sys.stdout = sys.stdout, _DEVNULL
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
+class _ReportSender:
+    """Sends each report of the rank's runner to the driver as soon as it is made."""
+
+    def __init__(self, config: pytest.Config, send: Callable[[Any], None]) -> None:
+        self._config = config
+        self._send = send
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        hook = self._config.hook
+        self._send(hook.pytest_report_to_serializable(config=self._config, report=report))
