@@ -1,10 +1,11 @@
-"""End to end: fixtures of tests that run on ranks, xunit methods, and the explicit `gang` style."""
+"""End to end: fixtures of tests that run on ranks (resolved there), xunit methods, and the
+explicit `gang` style (body and fixtures in the driver)."""
 
 from __future__ import annotations
 
 import pytest
 
-# Driver-side fixtures log "name:pid:token" to resolved.log each time pytest resolves them.
+# Fixtures log "name:rank:pid:token" to resolved.log each time pytest resolves them.
 CONFTEST = """
 import os
 import threading
@@ -13,7 +14,7 @@ import uuid
 import pytest
 
 def resolve(name):
-    value = f"{name}:{os.getpid()}:{uuid.uuid4().hex}"
+    value = f"{name}:{os.environ.get('RANK')}:{os.getpid()}:{uuid.uuid4().hex}"
     with open(os.path.join(os.path.dirname(__file__), "resolved.log"), "a") as f:
         f.write(value + "\\n")
     return value
@@ -47,7 +48,7 @@ def a_lock():
     return threading.Lock()
 """
 
-# Ranks log "rank value" to received.log for each driver-side value they get.
+# Ranks log "rank value" to received.log for each fixture value they get.
 RANK_SUITE = """
 import os
 
@@ -61,7 +62,7 @@ HERE = os.path.dirname(__file__)
 def receive(rank, *values):
     with open(os.path.join(HERE, "received.log"), "a") as f:
         for value in values:
-            assert int(value.split(":")[1]) != os.getpid(), "resolved on the rank"
+            assert value.split(":")[1:3] == [str(rank), str(os.getpid())], "resolved here"
             f.write(f"{rank} {value}\\n")
 
 class Box:
@@ -77,7 +78,8 @@ def test_native(rank, world_size, local_rank, device):
     assert local_rank == rank and device == torch.device("cpu")
 
 def test_scopes(rank, session_value, module_value, function_value, tmp_path):
-    assert tmp_path.is_dir()
+    assert tmp_path.is_dir() and not list(tmp_path.iterdir())
+    (tmp_path / "mine").write_text(str(rank))
     receive(rank, session_value, module_value, function_value)
 
 def test_params(rank, session_value, module_value, function_value, param_value):
@@ -146,7 +148,7 @@ def fail_on_rank_one():
         raise ValueError("rank one refuses")
 
 def test_run_returns_rank_order(gang, session_value):
-    assert session_value.split(":")[1] == str(os.getpid()), "the body runs in the driver"
+    assert session_value.split(":")[2] == str(os.getpid()), "the body runs in the driver"
     infos, pids, values = zip(*gang.run(where, 5, scale=2))
     cpu = torch.device("cpu")
     assert list(infos) == [RankInfo(0, 2, 0, cpu), RankInfo(1, 2, 1, cpu)]
@@ -171,17 +173,20 @@ def lines(pytester: pytest.Pytester, name: str) -> list[str]:
     return (pytester.path / name).read_text().splitlines()
 
 
-def assert_resolved_once_in_the_driver(pytester: pytest.Pytester) -> None:
-    """Each fixture value was made once per its scope, in one process, and reached both ranks."""
-    resolved = lines(pytester, "resolved.log")
-    names = sorted(value.split(":")[0] for value in resolved)
-    assert names == sorted(
-        ["session", "module", "function", "function", "function", "p1", "p2"]
-        + ["indirect-i1", "indirect-i2"]
-    )
-    assert len({value.split(":")[1] for value in resolved}) == 1, "all resolved in one driver"
+def assert_resolved_once_per_scope_on_each_rank(pytester: pytest.Pytester) -> None:
+    """Each rank made each fixture value once per its scope, in its own process, and its tests
+    got those values."""
+    resolved = [value.split(":") for value in lines(pytester, "resolved.log")]
+    for rank in ("0", "1"):
+        mine = [value for value in resolved if value[1] == rank]
+        assert sorted(name for name, *_ in mine) == sorted(
+            ["session", "module", "function", "function", "function", "p1", "p2"]
+            + ["indirect-i1", "indirect-i2"]
+        )
+        assert len({pid for _, _, pid, _ in mine}) == 1, "one process per rank"
+    assert len({pid for _, _, pid, _ in resolved}) == 2
     received = set(lines(pytester, "received.log"))
-    assert received == {f"{rank} {value}" for rank in (0, 1) for value in resolved}
+    assert received == {f"{rank} {':'.join(value)}" for value in resolved for rank in value[1]}
 
 
 def assert_xunit_ran_on_each_rank(pytester: pytest.Pytester) -> None:
@@ -206,22 +211,13 @@ def assert_xunit_ran_on_each_rank(pytester: pytest.Pytester) -> None:
 
 
 def test_fixtures_and_xunit_methods_on_ranks(pytester, run_pytest):
-    """Driver-side fixtures arrive pickled on every rank (or error the test when they cannot);
-    rank-native fixtures, module classes, sibling modules and xunit methods work on the ranks."""
+    """Every fixture is resolved on each rank, once per scope, whatever its value (a lambda, a
+    lock); rank-native fixtures, module classes, sibling modules and xunit methods work there."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_ranks=RANK_SUITE, helper_mod="def triple(x):\n    return 3 * x\n")
     result = run_pytest("-rA", "--megatron-timeout", "20")
-    result.assert_outcomes(passed=9, errors=2)
-    result.stdout.fnmatch_lines_random(
-        [
-            "ERROR test_ranks.py::test_lambda - *fixture 'a_lambda'*",
-            "ERROR test_ranks.py::test_lock - *fixture 'a_lock'*",
-        ]
-    )
-    result.stdout.fnmatch_lines(
-        ["*fixture 'a_lock' * does not pickle*Create the value on the ranks*"]
-    )
-    assert_resolved_once_in_the_driver(pytester)
+    result.assert_outcomes(passed=11)
+    assert_resolved_once_per_scope_on_each_rank(pytester)
     assert_xunit_ran_on_each_rank(pytester)
 
 

@@ -44,7 +44,7 @@ def settings(legacy=True):
         "torch_rng": digest(torch.get_rng_state().numpy().tobytes()),
         "python_rng": digest(repr(random.getstate()).encode()),
         "numpy_rng": digest(numpy_state[1].tobytes() + repr(numpy_state[2:]).encode()),
-        "environ": dict(os.environ),
+        "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
     }
     if hasattr(backends, "fp32_precision"):  # torch >= 2.9
         values["fp32_precision"] = [

@@ -113,17 +113,21 @@ def test_dead_rank_is_reported_fast_and_replaced(pytester, run_pytest, facts):
     result.stdout.fnmatch_lines(
         [
             "*_ test_exit _*",
+            "rank 1 exited with code 3 (ranks 0, 1 failed)",
             "*- rank 1 -*",
             "rank 1 exited with code 3",
-            "*_ test_exit_while_peer_sleeps _*",
             "*- rank 0 -*",
-            "Python stacks of rank 0:",
+            "*_ test_exit_while_peer_sleeps _*",
             "*- rank 1 -*",
             "rank 1 exited with code 3",
+            "*- rank 0 -*",
+            "rank 0 was still running 2 s after rank 1 failed",
+            "Python stacks of rank 0:",
             "*_ test_sigkill _*",
             "*- rank 1 -*",
             "rank 1 was killed by signal SIGKILL (9)",
-            "*::test_exit_while_peer_sleeps - * rank 0 was still running 2 s after rank 1 failed",
+            "*::test_exit - rank 1 exited with code 3 (ranks 0, 1 failed)",
+            "*::test_exit_while_peer_sleeps - rank 1 exited with code 3 (ranks 0, 1 failed)",
         ]
     )
     durations = call_durations(result)
@@ -194,8 +198,8 @@ def test_hang_times_out_with_every_stack_and_raise_fails_fast(pytester, run_pyte
             "E * ValueError: boom on rank 0",
             "*- rank 1 -*",
             "Python stacks of rank 1:",
-            "*FAILED test_hangs.py::test_hang - ranks 0, 1 failed: rank 0 timed out after 3 s",
-            "*FAILED test_hangs.py::test_raise_on_rank0 - * failed: ValueError: boom on rank 0",
+            "*FAILED test_hangs.py::test_hang - rank 0 timed out after 3 s (ranks 0, 1 failed)",
+            "*FAILED test_hangs.py::test_raise_on_rank0 - rank 0: ValueError: boom on rank 0*",
         ]
     )
     durations = call_durations(result)

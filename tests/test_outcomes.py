@@ -93,12 +93,12 @@ def test_outcomes_merge_across_ranks(pytester, run_pytest):
     result.stdout.fnmatch_lines_random(
         [
             "PASSED test_merge.py::test_pass",
-            "FAILED test_merge.py::test_fail_all - ranks 0, 1 failed: assert 0 == 7",
+            "FAILED test_merge.py::test_fail_all - rank 0: assert 0 == 7 (ranks 0, 1 failed)",
             "SKIPPED [[]1[]] test_merge.py:*: skipped everywhere",
             "SKIPPED [[]1[]] test_merge.py:*: condition holds",
             "XFAIL test_merge.py::test_xfail_call - known gap",
             "XFAIL test_merge.py::test_xfail_marker - marked gap",
-            "FAILED test_merge.py::test_xpass_strict - [[]XPASS(strict)[]] expected to fail",
+            "FAILED test_merge.py::test_xpass_strict - rank 0: [[]XPASS(strict)[]] expected*",
             "FAILED test_merge.py::test_hang - *timed out after 2 s*",
         ]
     )
@@ -141,7 +141,7 @@ def test_outcomes_merge_across_ranks(pytester, run_pytest):
     )
     result.stdout.fnmatch_lines(["*slowest 5 durations*", "*s call *test_merge.py::test_hang"])
     failures = junit_failures(junit)
-    assert failures["test_fail_all"][0].startswith("ranks 0, 1 failed: assert 0 == 7")
+    assert failures["test_fail_all"][0].startswith("rank 0: assert 0 == 7 (ranks 0, 1 failed)")
     message, seconds = failures["test_hang"]
     assert "timed out after 2 s" in message
     assert seconds < 10, "the timeout marker must end the test within seconds"
@@ -195,11 +195,11 @@ def test_skip_one(rank):
     result.stdout.no_fnmatch_line("*- rank 0 -*")
     result.stdout.fnmatch_lines_random(
         [
-            "FAILED test_one.py::test_fail_one - rank 1 failed: assert [[]1, 2[]] == [[]1, 3[]]",
+            "FAILED test_one.py::test_fail_one - rank 1: assert [[]1, 2[]] == [[]1, 3[]]",
             "ranks disagree: rank 0 passed, rank 1 skipped (only rank 1 skips)",
         ]
     )
-    assert junit_failures(junit)["test_fail_one"][0].startswith("rank 1 failed")
+    assert junit_failures(junit)["test_fail_one"][0].startswith("rank 1: assert")
 
 
 def test_assertion_explanation_matches_a_local_failure(pytester, run_pytest):
@@ -274,7 +274,7 @@ def test_tb_line_with_exitfirst(pytester, run_pytest):
     check_line = line_of(pytester, "test_tb", "assert values")
     result.stdout.fnmatch_lines(
         [
-            f"*test_tb.py:{check_line}: ranks 0, 1 failed: assert [[]0, 2[]] == [[]1, 3[]]",
+            f"*test_tb.py:{check_line}: rank 0: assert [[]0, 2[]] == [[]1, 3[]] (ranks 0, 1 *",
             "*stopping after 1 failures*",
         ]
     )
@@ -287,7 +287,7 @@ def test_tb_no_and_last_failed_rerun(pytester, tag):
     first = pytester.runpytest_subprocess("--tb=no", "--megatron-timeout", "20")
     assert_no_processes_left(tag)
     first.assert_outcomes(passed=2, failed=1)
-    first.stdout.fnmatch_lines(["FAILED test_tb.py::test_fail - ranks 0, 1 failed: *"])
+    first.stdout.fnmatch_lines(["FAILED test_tb.py::test_fail - rank 0: *"])
     first.stdout.no_fnmatch_line("*- rank 0 -*")
     first.stdout.no_fnmatch_line("E  *")
     again = pytester.runpytest_subprocess("--lf", "--tb=no", "--megatron-timeout", "20")

@@ -130,12 +130,13 @@ def test_nothing_outlives_a_failing_session(
 
 def test_passing_session_imports_lazily_and_leaves_nothing(pytester, run_pytest, facts_dir):
     """Invariant 4 on a live gang: a test module is imported on a rank when its first test runs
-    there, and the conftest (whose fixture the test uses) never is. Invariant 3 after a pass."""
+    there, the conftest (as under torchrun) when the rank's session starts. Invariant 3 after a
+    pass."""
     pytester.makepyfile(test_one=PASSING, test_two=PASSING)
     run_pytest().assert_outcomes(passed=2)
     facts = read_facts(facts_dir, "ranks")
     modules = [fact["modules"] for fact in facts]
-    assert modules == [["test_one"]] * 2 + [["test_one", "test_two"]] * 2
+    assert modules == [["conftest", "test_one"]] * 2 + [["conftest", "test_one", "test_two"]] * 2
     assert_gone(gang_pids(facts))
 
 

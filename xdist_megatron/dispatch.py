@@ -7,9 +7,10 @@ merged from the ranks' reports.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -40,6 +41,7 @@ class GangDispatch:
             return None  # type: ignore[return-value]
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        _end_driver_scopes(item)
         for report in self._run(item, nextitem):
             ihook.pytest_runtest_logreport(report=report)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -64,7 +66,18 @@ class GangDispatch:
         for result in results:
             if result.note:
                 _say(item, f"rank {result.rank}: {result.note}")
+        _forward_warnings(item, results)
         return reporting.merge(item, results)
+
+
+def _end_driver_scopes(item: pytest.Item) -> None:
+    """End what the driver kept set up for a test that ran here (its module's fixtures, kept for
+    this item as pytest's nextitem) that this item's module does not share, as pytest would have
+    before setting this item up."""
+    try:
+        item.session._setupstate.teardown_exact(item)
+    except Exception as exc:
+        _say(item, f"a fixture of an earlier test failed in teardown: {exc!r}")
 
 
 def _no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
@@ -82,7 +95,38 @@ def _no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
 def _say(item: pytest.Item, text: str) -> None:
     """A warning of the test, in pytest's warnings summary (xdist forwards it too)."""
     path, lineno, _ = item.location
-    message = warnings.WarningMessage(GangWarning(text), GangWarning, path, (lineno or 0) + 1)
+    _record(item, warnings.WarningMessage(GangWarning(text), GangWarning, path, (lineno or 0) + 1))
+
+
+def _forward_warnings(item: pytest.Item, results: list[Any]) -> None:
+    """The warnings the test raised on its ranks, once each (every rank raises the same)."""
+    seen = set()
+    for result in results:
+        for data in result.warnings:
+            key = tuple(data.values())
+            if key in seen:
+                continue
+            seen.add(key)
+            category = _warning_category(data["category"])
+            message = category(data["message"])
+            _record(
+                item,
+                warnings.WarningMessage(message, category, data["filename"], data["lineno"]),
+            )
+
+
+def _warning_category(name: str) -> type[Warning]:
+    module_name, _, qualname = name.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except Exception:
+        return UserWarning
+    return target if isinstance(target, type) and issubclass(target, Warning) else UserWarning
+
+
+def _record(item: pytest.Item, message: warnings.WarningMessage) -> None:
     item.ihook.pytest_warning_recorded.call_historic(
         kwargs=dict(warning_message=message, when="runtest", nodeid=item.nodeid, location=None)
     )

@@ -23,7 +23,9 @@ from typing import Any
 from . import placement
 from .capture import output_paths
 from .protocol import (
+    DIED,
     FAILED,
+    STUCK,
     CallJob,
     Job,
     PhaseReport,
@@ -285,7 +287,8 @@ class Gang:
         reports: dict[int, list[dict]] = {rank: [] for rank in range(self.world_size)}
         results: dict[int, RankResult] = {}
         waiting = dict(zip(self._conns, range(self.world_size), strict=True))
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         grace_end = float("inf")
         while waiting:
             now = time.monotonic()
@@ -313,6 +316,8 @@ class Gang:
             self._report_unfinished(sorted(waiting.values()), results, reports, timeout)
         for rank, result in results.items():
             result.reports = reports[rank]
+            if result.lost:
+                result.duration = time.monotonic() - start
         return [results[rank] for rank in range(self.world_size)]
 
     def _report_unfinished(
@@ -331,10 +336,8 @@ class Gang:
             why = f"timed out after {timeout:g} s"
         stacks = self._dump_stacks(ranks)
         for rank in ranks:
-            if any(_failed(data) for data in reports[rank]):
-                results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}")
-            else:
-                results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stacks[rank])
+            stack = None if any(_failed(data) for data in reports[rank]) else stacks[rank]
+            results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stack, lost=STUCK)
 
     def _pump_zygote(self) -> None:
         try:
@@ -353,7 +356,7 @@ class Gang:
         code = self._zygote.exit_code(self.pids[rank], 1.0) if self._zygote.alive else None
         message = f"rank {rank} {describe_exit(code)}"
         stdout, stderr = (_read_text(p) for p in output_paths(self._workdir, self.pids[rank]))
-        return RankResult(rank, FAILED, message, message, stdout=stdout, stderr=stderr)
+        return RankResult(rank, FAILED, message, message, stdout=stdout, stderr=stderr, lost=DIED)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every given rank's Python stacks, through faulthandler (works inside a collective)."""

@@ -107,7 +107,8 @@ class InProcessRank:
             self._finish_line()
         state.cleanup_after_job(
             keep_groups=self.holdings.groups,
-            keep_megatron=self._layout is not None or self.holdings.megatron,
+            keep_megatron=self._layout is not None,
+            keep_libraries=self.holdings.megatron,
         )
 
     def reset(self) -> None:
@@ -116,9 +117,10 @@ class InProcessRank:
         from . import state
 
         self._layout = None
-        state.cleanup_after_job(self.holdings.groups, self.holdings.megatron)
+        held = self.holdings
+        state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
         if self._startup is not None:
-            state.restore(self._startup, self.holdings.groups, self.holdings.megatron)
+            state.restore(self._startup, held.groups, keep_libraries=held.megatron)
 
     def set_startup(self, startup: Any) -> None:
         self._startup = startup

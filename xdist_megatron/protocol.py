@@ -84,6 +84,7 @@ class ShutdownJob:
 Job = TestJob | CallJob | CleanupJob | ResetJob | ShutdownJob
 
 PASSED, FAILED = "passed", "failed"
+DIED, STUCK = "died", "stuck"
 
 
 @dataclass
@@ -100,7 +101,9 @@ class RankResult:
     duration: float = 0.0
     value: Any = None  # CallJob return value
     reports: list[dict] = field(default_factory=list)  # a TestJob's serialised pytest reports
-    note: str = ""  # what the rank repaired after the job (said in the terminal summary)
+    note: str = ""  # what the rank repaired after the job (a warning of the test)
+    lost: str = ""  # DIED or STUCK: what the driver saw of a rank that could not report
+    warnings: list[dict] = field(default_factory=list)  # warnings the test raised on the rank
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from .protocol import (
 from .zygote import ZYGOTE_VAR
 
 STACK_SIGNAL = signal.SIGUSR1
+ENV_RENDEZVOUS_PREFIX = "default_pg/"  # where init_process_group("env://") puts its keys
 _WATCH_INTERVAL = 0.5
 
 _info: RankInfo | None = None
@@ -77,6 +78,7 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     conn.send(Ready(spec.rank, os.getpid()))
     workdir = os.path.dirname(spec.stack_path)
     runner = _JobRunner(spec, startup, capture_prefix(workdir, os.getpid()), conn.send)
+    runner.keep_default_group()
     while True:
         try:
             job = conn.recv()
@@ -173,17 +175,31 @@ class _JobRunner:
         self.startup = startup
         self.send = send
         self.session: Any = None  # the rank's pytest session, built on its first test
+        self._default_group: Any = None  # the default group the gang made, or last saw
+        self._warnings: list[dict] = []
         self._restores = 0
 
     def run(self, job: Job) -> None:
         """Run `job` and send its result (a test's reports were sent as they were made)."""
         start = time.perf_counter()
+        if isinstance(job, TestJob) and self.session is None:
+            # Outside the test's capture: what plugins say while the session is configured
+            # belongs to the rank's log, not to the first test's report.
+            opened = self._guarded(lambda: self._open_session(job))
+            if opened.outcome == FAILED:
+                self.send(opened)
+                return
         capture = job.capture if isinstance(job, TestJob) else True
         with FdCapture(capture, self.capture_prefix) as out:
             result = self._dispatch(job)
         result.stdout, result.stderr = out.stdout, out.stderr
         result.duration = time.perf_counter() - start
         self.send(result)
+
+    def keep_default_group(self) -> None:
+        import torch.distributed as dist
+
+        self._default_group = dist.distributed_c10d._world.default_pg
 
     def finish(self) -> None:
         """End of the gang: the session's fixtures and hooks end (errors go to the log)."""
@@ -195,7 +211,9 @@ class _JobRunner:
 
     def _dispatch(self, job: Job) -> RankResult:
         if isinstance(job, TestJob):
-            return self._guarded(lambda: self._run_test(job))
+            result = self._guarded(lambda: self._run_test(job))
+            result.warnings, self._warnings = self._warnings, []
+            return result
         if isinstance(job, CallJob):
             return self._run_call(job)
         if isinstance(job, CleanupJob):
@@ -213,20 +231,23 @@ class _JobRunner:
 
     def _run_test(self, job: TestJob) -> str:
         """The test's protocol in the rank's session, then the checks that keep the gang."""
-        if self.session is None:
-            self.session = self._open_session(job)
-        self.session.run(job.nodeid, job.module_path, job.next_nodeid)
+        try:
+            self.session.run(job.nodeid, job.module_path, job.next_nodeid)
+        finally:
+            self._warnings = self.session.take_warnings()
         note = self._repair_default_group()
         _check_health()
         return note
 
-    def _open_session(self, job: TestJob) -> Any:
+    def _open_session(self, job: TestJob) -> None:
+        from . import state
         from .inprocess import PLUGIN_NAME
         from .rank_session import RankSession
 
         session = RankSession(job.session, self.rank, self._send_report)
-        session.config.pluginmanager.get_plugin(PLUGIN_NAME).set_startup(self.startup)
-        return session
+        # Start-up is after the session's own configuration (pytest sets PYTEST_VERSION, say).
+        session.config.pluginmanager.get_plugin(PLUGIN_NAME).set_startup(state.snapshot())
+        self.session = session
 
     def _send_report(self, data: dict) -> None:
         self.send(PhaseReport(self.rank, data))
@@ -245,7 +266,8 @@ class _JobRunner:
         if plugin is None:
             state.cleanup_after_job()
         else:
-            state.cleanup_after_job(plugin.holdings.groups, plugin.holdings.megatron)
+            held = plugin.holdings
+            state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
 
     def _reset(self) -> None:
         from . import state
@@ -265,6 +287,9 @@ class _JobRunner:
 
         size = dist.get_world_size() if dist.is_initialized() else None
         if size == self.spec.world_size:
+            if dist.distributed_c10d._world.default_pg is not self._default_group:
+                self._forget_rendezvous()
+                self._default_group = dist.distributed_c10d._world.default_pg
             return ""
         if size is not None:
             dist.destroy_process_group()
@@ -273,8 +298,20 @@ class _JobRunner:
         dist.init_process_group(
             self.spec.backend, store=store, rank=self.rank, world_size=self.spec.world_size
         )
+        self._default_group = dist.distributed_c10d._world.default_pg
         left = "destroyed" if size is None else f"re-created with {size} ranks"
         return f"the test left the default process group {left}; the gang restored it"
+
+    def _forget_rendezvous(self) -> None:
+        """The test initialised the default group again from the environment: drop the keys
+        that rendezvous left in the store, so that the next test that does the same does not
+        read this one's stale addresses (torch reuses the key names: pytorch#55967)."""
+        list_keys = getattr(_store, "list_keys", None)  # torch releases without it keep them
+        if self.rank != 0 or list_keys is None:
+            return
+        for key in list_keys():
+            if key.startswith(ENV_RENDEZVOUS_PREFIX):
+                _store.delete_key(key)
 
     def _run_call(self, job: CallJob) -> RankResult:
         if job.sys_path:

@@ -80,7 +80,8 @@ class RankSession:
                 if hasattr(config.option, name):
                     setattr(config.option, name, value)
             config.option.basetemp = os.path.join(args.basetemp, f"rank{rank}-{os.getpid()}")
-            config.pluginmanager.register(_ReportSender(config, reports), "xdist-megatron-sender")
+            self._sender = _ReportSender(config, reports)
+            config.pluginmanager.register(self._sender, "xdist-megatron-sender")
             config._do_configure()
             self.config = config
             self.session = Session.from_config(config)
@@ -96,6 +97,11 @@ class RankSession:
         self.teardown_until(item)  # scopes the last test kept that this one does not share
         self.session.shouldfail = self.session.shouldstop = False
         item.ihook.pytest_runtest_protocol(item=item, nextitem=self._next(item, next_nodeid))
+
+    def take_warnings(self) -> list[dict]:
+        """The warnings the tests raised since the last call."""
+        taken, self._sender.warnings = self._sender.warnings, []
+        return taken
 
     def teardown_until(self, nextitem: Any) -> None:
         """Tear down the kept scopes that `nextitem` does not share (None: all but the session).
@@ -150,11 +156,26 @@ def _quiet_stdout() -> Any:
 
 
 class _ReportSender:
-    """Sends each report of the rank's runner to the driver as soon as it is made."""
+    """Sends each report of the rank's runner to the driver as soon as it is made, and keeps the
+    warnings its tests raised for the driver's warnings summary."""
 
     def __init__(self, config: pytest.Config, send: Callable[[Any], None]) -> None:
         self._config = config
         self._send = send
+        self.warnings: list[dict] = []
+
+    def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str) -> None:
+        if when != "runtest":
+            return
+        category = warning_message.category
+        self.warnings.append(
+            {
+                "category": f"{category.__module__}:{category.__qualname__}",
+                "message": str(warning_message.message),
+                "filename": warning_message.filename,
+                "lineno": warning_message.lineno,
+            }
+        )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         hook = self._config.hook

@@ -15,7 +15,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from .protocol import FAILED, RankResult
+from .protocol import DIED, FAILED, RankResult
 
 PHASES = ("setup", "call", "teardown")
 
@@ -49,11 +49,12 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
             for d in result.reports
         )
         per_rank[result.rank] = {report.when: report for report in loaded}
-    synthetic = {
-        (r.rank, _add_rank_failure(item, r, per_rank[r.rank]))
-        for r in results
-        if r.outcome == FAILED
-    }
+    # Which rank's failure to name first: a rank that died caused its peers' errors; a rank that
+    # was still running when the others stopped is the effect.
+    order = {r.rank: 0 if r.lost == DIED else 2 if r.lost else 1 for r in results}
+    for result in results:
+        if result.outcome == FAILED:
+            _add_rank_failure(item, result, per_rank[result.rank])
     for result in results:
         _add_output(result, per_rank[result.rank])
     merged: list[pytest.TestReport] = []
@@ -62,7 +63,7 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
         if when == "call" and merged and not merged[0].passed:
             continue  # as pytest: no call after a setup that did not pass
         if phase:
-            merged.append(_merge_phase(item, when, phase, synthetic))
+            merged.append(_merge_phase(item, when, phase, order))
     if merged[-1].when != "teardown":
         merged.append(_report(item, "teardown", "passed", None))
     return merged
@@ -70,11 +71,11 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
 
 def _add_rank_failure(
     item: pytest.Item, result: RankResult, reports: dict[str, pytest.TestReport]
-) -> str | None:
+) -> None:
     """Put what the driver saw of a rank (death, hang, failed checks) into the phase the rank
-    was in; returns that phase (None when the rank's own reports already say it failed)."""
+    was in (nothing when the rank's own reports already say it failed)."""
     if result.longrepr is None and any(r.failed for r in reports.values()):
-        return None
+        return
     text = (
         result.message
         if result.longrepr in (None, result.message)
@@ -90,11 +91,11 @@ def _add_rank_failure(
     if earlier is not None and earlier.failed:
         text = f"{earlier.longrepr}\n{text}"
     report = _report(item, when, "failed", text)
+    report.duration = result.duration
     if earlier is not None:
         report.sections = earlier.sections
-        report.duration = earlier.duration
+        report.duration = max(earlier.duration, result.duration)
     reports[when] = report
-    return when
 
 
 def _add_output(result: RankResult, reports: dict[str, pytest.TestReport]) -> None:
@@ -113,7 +114,7 @@ def _merge_phase(
     item: pytest.Item,
     when: str,
     phase: dict[int, pytest.TestReport],
-    synthetic: set[tuple[int, str | None]],
+    order: dict[int, int],
 ) -> pytest.TestReport:
     ranks = sorted(phase)
     first = phase[ranks[0]]
@@ -121,7 +122,7 @@ def _merge_phase(
     failed = [r for r in ranks if phase[r].failed]
     kinds = {(phase[r].outcome, hasattr(phase[r], "wasxfail")) for r in ranks}
     if failed:
-        failed.sort(key=lambda r: ((r, when) in synthetic, r))  # the cause first
+        failed.sort(key=lambda r: (order[r], r))  # the cause first
         longrepr: Any = _failures_repr(item, failed, phase)
         merged = _report(item, when, "failed", longrepr)
     elif len(kinds) == 1:
@@ -144,8 +145,9 @@ def _failures_repr(
 ) -> RankFailuresRepr:
     cause = phase[failed[0]].longrepr
     crash = getattr(cause, "reprcrash", None)
-    message = crash.message if crash is not None else str(cause).strip().splitlines()[0]
-    headline = f"rank {failed[0]}: {message}"
+    message = (crash.message if crash is not None else str(cause)).strip().splitlines()[0]
+    own = f"rank {failed[0]} "
+    headline = message if message.startswith(own) else f"rank {failed[0]}: {message}"
     if len(failed) > 1:
         headline += f" (ranks {', '.join(map(str, sorted(failed)))} failed)"
     location = (crash.path, crash.lineno) if crash is not None else _location(item)
@@ -167,5 +169,5 @@ def _outcome_words(report: pytest.TestReport) -> str:
     if hasattr(report, "wasxfail"):
         return "xfailed" if report.skipped else "xpassed"
     if report.skipped and isinstance(report.longrepr, tuple):
-        return f"skipped ({report.longrepr[2]})"
+        return f"skipped ({report.longrepr[2].removeprefix('Skipped: ')})"
     return report.outcome

@@ -56,37 +56,41 @@ def snapshot() -> StartupState:
 
 
 def restore(
-    state: StartupState, keep_groups: Iterable[object] = (), keep_megatron: bool = False
+    state: StartupState, keep_groups: Iterable[object] = (), keep_libraries: bool = False
 ) -> None:
     """Called at a module boundary on every rank (all ranks call it, same order): restore everything
-    recorded. What a live session-scoped fixture holds (`keep_groups`, and Megatron's state when
-    `keep_megatron`) stays. Raises on failure (the caller then retires the gang)."""
+    recorded. What a live session-scoped fixture holds stays: the groups in `keep_groups` and,
+    with `keep_libraries`, Megatron's and Transformer Engine's state. Raises on failure (the
+    caller then retires the gang)."""
     # Nothing was initialised at start-up, so the library teardown is the whole restore for them.
-    if not keep_megatron:
+    if not keep_libraries:
         _teardown_transformer_engine()
         _teardown_megatron(keep_parallel_state=False)
-    _destroy_process_groups(keep=_kept(keep_groups, keep_megatron))
+    _destroy_process_groups(keep=_kept(keep_groups, keep_libraries))
     gc.collect()
     _write_settings(state.settings)
     _restore_rng(state)
     _restore_environ(state.environ)
 
 
-def cleanup_after_job(keep_groups: Iterable[object] = (), keep_megatron: bool = False) -> None:
+def cleanup_after_job(
+    keep_groups: Iterable[object] = (), keep_megatron: bool = False, keep_libraries: bool = False
+) -> None:
     """Called on every rank after every job (all ranks call it collectively). An error here (e.g. a
     sticky CUDA error surfacing from torch.cuda.synchronize) must propagate so the test that caused
     it fails.
 
-    What a wider fixture scope still holds stays: the process groups in `keep_groups` and, with
-    `keep_megatron`, Megatron's and Transformer Engine's state and parallel_state's groups (a kept
-    layout, or a class fixture that initialised the model parallel state).
+    What a wider scope still holds stays: the process groups in `keep_groups`; with
+    `keep_megatron`, megatron.core.parallel_state and its groups (a kept layout; every other
+    singleton is still reset); with `keep_libraries`, all of Megatron's and Transformer Engine's
+    state (a class fixture that set Megatron up for its tests).
     """
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
-    if not keep_megatron:
+    if not keep_libraries:
         _teardown_transformer_engine()
-        _teardown_megatron(keep_parallel_state=False)
-    if _destroy_process_groups(keep=_kept(keep_groups, keep_megatron)):
+        _teardown_megatron(keep_parallel_state=keep_megatron)
+    if _destroy_process_groups(keep=_kept(keep_groups, keep_megatron or keep_libraries)):
         gc.collect()  # finalizers of destroyed groups must run before the next job starts
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -1,0 +1,541 @@
+"""Run one real distributed test folder several ways and compare what each way reports.
+
+A suite written for `torchrun --nproc-per-node N -m pytest` (Megatron-LM's unit tests, say) runs:
+
+  torchrun  `python -m torch.distributed.run --standalone --nproc-per-node N -m pytest` with this
+            plugin disabled: the way such suites run today; rank 0's junit counts;
+  serial    `pytest --megatron-world-size N`: the plugin, every unmarked test on an N-rank gang;
+  xdist     `pytest -n auto --dist megatron --megatron-world-size N`;
+  faults    serial and torchrun again, with two tests added to the folder: one whose rank 1
+            segfaults, one whose rank 1 hangs while rank 0 waits in a barrier. The plugin runs with
+            `--megatron-timeout 20`; torchrun's process group is killed at `--fault-cap` seconds.
+
+Per run it prints the wall time, the sum of the tests' junit times, the outcome counts and the
+tests that got no report (`lost`: collected by `pytest --collect-only`, absent from the run's
+junit), then every test whose outcome differs between the runs. A torchrun run that dies writes no
+junit; its rank 0's reports, streamed as they happen, are used instead (source `stream`).
+
+Example (Megatron-LM's subset, from bench/out/megatron_lm, see its setup_device.sh):
+  python ../../real_suite.py tests/unit_tests --nproc 2 --json ../megatron_lm.json
+Pass pytest options with `--pytest-args="-k parallel_state"`; they go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from _lane import progress
+from _util import header_lines, machine, table, write_json
+
+INFO = machine()  # at import, before the runs: the load they start under
+PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
+MODES = ("torchrun", "serial", "xdist", "faults")
+LOST = "lost"
+SEVERITY = ("failed", "error", "skipped", "passed")  # worst first
+JUNIT_OUTCOMES = {"failure": "failed"}
+KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL of a run's process group
+RUN_TAG = "REAL_SUITE_RUN"  # in each run's environment, to find all of its processes
+LOG_TAIL = 15  # lines of a run's log shown when it went wrong
+
+FAULT_HEADER = '''"""Injected by bench/real_suite.py (removed after the run): {what}."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def barrier():
+    """A barrier on the default group, joined from torchrun's environment if no test has yet."""
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.barrier()
+
+'''
+
+SEGFAULT_TEST = """
+def test_rank1_segfaults():
+    barrier()  # both ranks got here
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    barrier()
+"""
+
+HANG_TEST = """
+def test_rank1_hangs():
+    barrier()
+    while os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    barrier()
+"""
+
+FAULT_FILES = {  # the hang first: under torchrun it costs the cap, the segfault ends the run
+    "test_bench_fault_1_hang.py": FAULT_HEADER.format(what="rank 1 hangs, rank 0 waits")
+    + HANG_TEST,
+    "test_bench_fault_2_segfault.py": FAULT_HEADER.format(what="rank 1 dies of SIGSEGV")
+    + SEGFAULT_TEST,
+}
+
+
+@dataclass
+class TestResult:
+    outcome: str  # passed, failed, skipped, error
+    seconds: float
+
+
+@dataclass
+class Run:
+    """One way of running the folder, and what came back from it."""
+
+    name: str
+    command: list[str]
+    returncode: int | None = None
+    wall: float = 0.0
+    killed: bool = False  # past its cap: the process group was killed ("run lost")
+    leftovers: bool = False  # processes of its group were still alive after it exited
+    source: str = "none"  # junit, stream (rank 0's streamed reports) or none
+    expected: list[str] = field(default_factory=list)
+    tests: dict[str, TestResult] = field(default_factory=dict)
+    log: str = ""
+
+    def outcome(self, key: str) -> str:
+        result = self.tests.get(key)
+        return result.outcome if result else LOST
+
+    def lost(self) -> list[str]:
+        return [key for key in self.expected if key not in self.tests]
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("testdir", help="the folder (or file) of tests, as given to pytest")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per test (default 2)")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}"
+    )
+    parser.add_argument(
+        "--pytest-args", default="", help='extra pytest arguments for every run: --pytest-args="-x"'
+    )
+    parser.add_argument("--workers", default="auto", help="-n of the xdist mode (default auto)")
+    parser.add_argument(
+        "--cwd", default=".", help="where the runs start (a suite's root: its imports, its ini)"
+    )
+    parser.add_argument("--out", help="junit files and logs (default bench/out/real_suite/<time>)")
+    parser.add_argument("--cap", type=float, default=3600, help="wall-clock cap of a run, s")
+    parser.add_argument("--fault-cap", type=float, default=120, help="cap of faults' torchrun, s")
+    parser.add_argument("--fault-timeout", type=float, default=20, help="--megatron-timeout, s")
+    parser.add_argument(
+        "--fault-position",
+        choices=("first", "last"),
+        default="first",
+        help="where the injected tests sort in the folder (default first)",
+    )
+    parser.add_argument("--max-diff", type=int, default=60, help="rows of a differences table")
+    parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
+    args = parser.parse_args(argv)
+    args.modes = [mode for mode in args.modes.split(",") if mode]
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
+    return args
+
+
+# -- torchrun's ranks -----------------------------------------------------------------------------
+
+
+class StreamReports:
+    """A pytest plugin object: one JSON line per report, flushed, so a killed run leaves them."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1)  # open for the session
+
+    def pytest_runtest_logreport(self, report) -> None:
+        line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                "duration": report.duration, "xfail": hasattr(report, "wasxfail")}  # fmt: skip
+        self.file.write(json.dumps(line) + "\n")
+
+
+def rank_main(folder: str, pytest_args: list[str]) -> int:
+    """One torchrun rank: pytest as `-m pytest` would run it, with this rank's own junit file.
+
+    torchrun cannot give each rank its own `--junitxml`, so torchrun starts this script, which
+    reads RANK. sys.path[0] becomes the working directory, as under `python -m pytest`.
+    """
+    import pytest
+
+    sys.path[0] = os.getcwd()
+    rank = os.environ["RANK"]
+    args = [*pytest_args, f"--junitxml={folder}/rank{rank}.xml"]
+    return pytest.main(args, plugins=[StreamReports(f"{folder}/rank{rank}.jsonl")])
+
+
+# -- running --------------------------------------------------------------------------------------
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes whose environment holds RUN_TAG=tag: a run's own, also those in sessions of
+    their own (torchrun starts every rank in a new session: killing its group misses them)."""
+    needle = f"{RUN_TAG}={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone, or not ours to read
+                continue
+            if needle in environ:
+                pids.append(int(entry.name))
+    return pids
+
+
+def alive(proc: subprocess.Popen, tag: str) -> bool:
+    """Whether the run's leader, its process group or a tagged process is still there."""
+    if proc.poll() is None:  # polling also reaps the leader: a zombie would keep its group
+        return True
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return bool(tagged(tag))
+    return True
+
+
+def stop_run(proc: subprocess.Popen, tag: str, grace: float) -> None:
+    """SIGTERM the run's process group and its tagged processes in other groups (one signal
+    each: a second one cuts torchrun's own shutdown short), SIGKILL all that is left after
+    `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        for pid in tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                if sig == signal.SIGKILL or os.getpgid(pid) != proc.pid:
+                    os.kill(pid, sig)
+        wait_gone(proc, tag, wait)
+
+
+def wait_gone(proc: subprocess.Popen, tag: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(proc, tag):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def execute(run: Run, cwd: Path, cap: float) -> None:
+    """Run the command in a process group of its own, output to run.log; kill it at `cap`.
+    Processes of the run still alive 3 s after it ended are reported (leftovers) and killed."""
+    progress(f"{run.name}: {shlex.join(run.command)}")
+    tag = f"{os.getpid()}-{run.name}-{time.time_ns()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: tag}
+    with open(run.log, "w") as log:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            run.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=cap)
+        except subprocess.TimeoutExpired:
+            run.killed = True
+            stop_run(proc, tag, KILL_GRACE)
+        proc.wait()
+        run.wall = time.monotonic() - started
+    run.returncode = proc.returncode
+    run.leftovers = not wait_gone(proc, tag, 3.0)
+    if run.leftovers:
+        stop_run(proc, tag, KILL_GRACE)
+    state = f"run lost, killed at the {cap:g} s cap" if run.killed else f"exit {proc.returncode}"
+    progress(f"{run.name}: {state} after {run.wall:.1f} s, log {run.log}")
+
+
+def pytest_command(testdir: str, junit: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", testdir, f"--junitxml={junit}", *extra]
+
+
+def torchrun_command(nproc: int, folder: Path, pytest_args: list[str]) -> list[str]:
+    """torchrun starting this script on every rank (see rank_main), the plugin disabled."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", os.path.abspath(__file__), "--as-rank", str(folder), "--",
+        "-p", f"no:{PLUGIN}", *pytest_args,
+    ]  # fmt: skip
+
+
+def collect(testdir: str, cwd: Path, pytest_args: list[str]) -> list[str]:
+    """The node ids a plain pytest collects (plugin disabled), as junit keys."""
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", f"no:{PLUGIN}",
+               testdir, *pytest_args]  # fmt: skip
+    out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
+    progress(f"collected {len(ids)} tests")
+    if not ids:
+        progress(f"collection found no tests (exit {out.returncode}):")
+        progress(tail(out.stdout + out.stderr, LOG_TAIL))
+    return [junit_key(nodeid) for nodeid in ids]
+
+
+# -- reading results ------------------------------------------------------------------------------
+
+
+def junit_key(nodeid: str) -> str:
+    """A node id as pytest's junit names it (classname::name), so both sources compare."""
+    names = nodeid.split("::")
+    path = names[0].replace("/", ".")
+    names[0] = path[: -len(".py")] if path.endswith(".py") else path
+    return ".".join(names[:-1]) + "::" + names[-1]
+
+
+def parse_junit(path: Path) -> dict[str, TestResult]:
+    """Outcome and time of each test of a pytest junit file. A test that failed and then errored
+    in teardown has two testcase elements: the worse outcome counts, the times add up."""
+    results: dict[str, TestResult] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        key = f"{case.get('classname', '')}::{case.get('name', '')}"
+        tags = {child.tag for child in case}
+        outcome = next((o for o in ("failure", "error", "skipped") if o in tags), "passed")
+        result = TestResult(JUNIT_OUTCOMES.get(outcome, outcome), float(case.get("time") or 0))
+        if key in results:
+            result = worse(results[key], result)
+        results[key] = result
+    return results
+
+
+def worse(first: TestResult, second: TestResult) -> TestResult:
+    rank = {outcome: i for i, outcome in enumerate(SEVERITY)}
+    outcome = min(first.outcome, second.outcome, key=rank.__getitem__)
+    return TestResult(outcome, first.seconds + second.seconds)
+
+
+def parse_stream(path: Path) -> dict[str, TestResult]:
+    """Per-test outcomes from StreamReports' lines: a test counts once its teardown reported."""
+    phases: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        report = json.loads(line)
+        phases.setdefault(report["nodeid"], []).append(report)
+    results = {}
+    for nodeid, reports in phases.items():
+        if any(report["when"] == "teardown" for report in reports):
+            seconds = sum(report["duration"] for report in reports)
+            results[junit_key(nodeid)] = TestResult(stream_outcome(reports), seconds)
+    return results
+
+
+def stream_outcome(reports: list[dict]) -> str:
+    """As junit would say: a failed call fails, a failed setup or teardown errors."""
+    by_phase = {report["when"]: report for report in reports}
+    if by_phase.get("call", {}).get("outcome") == "failed":
+        return "failed"
+    if any(report["outcome"] == "failed" for report in reports):
+        return "error"
+    if any(report["outcome"] == "skipped" for report in reports):
+        return "skipped"
+    return "passed"
+
+
+def read_results(run: Run, junit: Path, stream: Path | None) -> None:
+    """The run's junit if it wrote one, else rank 0's streamed reports (torchrun only)."""
+    if junit.exists():
+        try:
+            run.tests, run.source = parse_junit(junit), "junit"
+            return
+        except ET.ParseError:
+            progress(f"{run.name}: unreadable junit {junit}")
+    if stream is not None and stream.exists():
+        run.tests, run.source = parse_stream(stream), "stream"
+
+
+def tail(text: str, lines: int) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+# -- the modes ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What every run shares."""
+
+    testdir: str
+    cwd: Path
+    out: Path
+    nproc: int
+    pytest_args: list[str]
+    workers: str
+    cap: float
+
+
+def run_torchrun(plan: Plan, name: str, testdir: str, cap: float, expected: list[str]) -> Run:
+    folder = plan.out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    command = torchrun_command(plan.nproc, folder, [testdir, *plan.pytest_args])
+    run = Run(name, command, expected=expected, log=str(plan.out / f"{name}.log"))
+    execute(run, plan.cwd, cap)
+    read_results(run, folder / "rank0.xml", folder / "rank0.jsonl")
+    return run
+
+
+def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: list[str]) -> Run:
+    junit = plan.out / f"{name}.xml"
+    options = ["--megatron-world-size", str(plan.nproc), *extra, *plan.pytest_args]
+    run = Run(name, pytest_command(testdir, junit, options), expected=expected,
+              log=str(plan.out / f"{name}.log"))  # fmt: skip
+    execute(run, plan.cwd, plan.cap)
+    read_results(run, junit, None)
+    return run
+
+
+def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Run]:
+    runs = []
+    if {"torchrun", "serial", "xdist"} & set(modes):
+        expected = collect(plan.testdir, plan.cwd, plan.pytest_args)
+    if "torchrun" in modes:
+        runs.append(run_torchrun(plan, "torchrun", plan.testdir, plan.cap, expected))
+    if "serial" in modes:
+        runs.append(run_plugin(plan, "serial", plan.testdir, [], expected))
+    if "xdist" in modes:
+        xdist = ["-n", plan.workers, "--dist", "megatron"]
+        runs.append(run_plugin(plan, "xdist", plan.testdir, xdist, expected))
+    if "faults" in modes:
+        runs.extend(run_faults(plan, args))
+    return runs
+
+
+def run_faults(plan: Plan, args: argparse.Namespace) -> list[Run]:
+    """Serial plugin and torchrun on the folder with the fault tests added, then removed again."""
+    folder = Path(plan.cwd, plan.testdir)
+    if not folder.is_dir():
+        progress("faults: skipped, TESTDIR must be a folder to add the fault tests to")
+        return []
+    faults = add_fault_tests(folder, args.fault_position)
+    try:
+        expected = collect(plan.testdir, plan.cwd, plan.pytest_args)
+        timeout = ["--megatron-timeout", f"{args.fault_timeout:g}"]
+        return [
+            run_plugin(plan, "faults-serial", plan.testdir, timeout, expected),
+            run_torchrun(plan, "faults-torchrun", plan.testdir, args.fault_cap, expected),
+        ]
+    finally:
+        shutil.rmtree(faults, ignore_errors=True)
+
+
+def add_fault_tests(folder: Path, position: str) -> Path:
+    """A temporary sub-folder whose name sorts first (or last) in `folder`, so pytest collects it
+    there, under the suite's own ini and conftest files."""
+    prefix = "0_bench_faults_" if position == "first" else "zz_bench_faults_"
+    faults = Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+    for name, source in FAULT_FILES.items():
+        (faults / name).write_text(source)
+    return faults
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+
+def counts(run: Run) -> dict[str, int]:
+    tally = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    for result in run.tests.values():
+        tally[result.outcome] = tally.get(result.outcome, 0) + 1
+    return tally
+
+
+def summary_table(runs: list[Run]) -> str:
+    headers = ["run", "wall s", "tests s", "passed", "failed", "skipped", "error", "lost",
+               "source", "exit"]  # fmt: skip
+    rows = []
+    for run in runs:
+        tally = counts(run)
+        state = "killed" if run.killed else str(run.returncode)
+        state += " +leftovers" if run.leftovers else ""
+        rows.append([
+            run.name, f"{run.wall:.1f}", f"{sum(r.seconds for r in run.tests.values()):.2f}",
+            *(str(tally[key]) for key in ("passed", "failed", "skipped", "error")),
+            str(len(run.lost())), run.source, state,
+        ])  # fmt: skip
+    return table(headers, rows)
+
+
+def differences(runs: list[Run]) -> list[str]:
+    """Keys whose outcome is not the same in every run (a missing report counts as 'lost')."""
+    keys = dict.fromkeys(key for run in runs for key in [*run.expected, *run.tests])
+    return [key for key in keys if len({run.outcome(key) for run in runs}) > 1]
+
+
+def differences_table(runs: list[Run], limit: int) -> str:
+    keys = differences(runs)
+    if not keys:
+        return "every test has the same outcome in every run"
+    rows = [[key, *(run.outcome(key) for run in runs)] for key in keys[:limit]]
+    text = table(["test", *(run.name for run in runs)], rows)
+    more = len(keys) - limit
+    return text + (f"\n... and {more} more" if more > 0 else "") + f"\n{len(keys)} differ"
+
+
+def report(runs: list[Run], limit: int) -> None:
+    """The summary, the differences between the ordinary runs, then between the faults runs."""
+    print(summary_table(runs))
+    for run in runs:
+        if run.source == "none" or (run.returncode or 0) > 1:
+            print(f"\n{run.name}: exit {run.returncode}, junit {run.source}; end of {run.log}:")
+            print(tail(Path(run.log).read_text(errors="replace"), LOG_TAIL))
+    groups = {
+        "outcomes that differ": [run for run in runs if not run.name.startswith("faults")],
+        "faults: outcomes that differ": [run for run in runs if run.name.startswith("faults")],
+    }
+    for title, group in groups.items():
+        if len(group) > 1:
+            print(f"\n{title} ({', '.join(run.name for run in group)})")
+            print(differences_table(group, limit))
+
+
+def as_json(runs: list[Run], args: argparse.Namespace) -> dict:
+    return {
+        "machine": INFO,
+        "arguments": {key: value for key, value in vars(args).items() if key != "as_rank"},
+        "runs": [{**asdict(run), "lost": run.lost(), "counts": counts(run)} for run in runs],
+    }
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--as-rank"]:  # started by torchrun_command on a rank
+        return rank_main(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
+    args = parse_args(argv)
+    out = Path(args.out or f"bench/out/real_suite/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plan = Plan(os.path.abspath(args.testdir), Path(args.cwd).resolve(), out, args.nproc,
+                shlex.split(args.pytest_args), args.workers, args.cap)  # fmt: skip
+    print("\n".join(header_lines("real suite: " + args.testdir, INFO)))
+    print(f"cwd     : {plan.cwd}\nout     : {out}\n", flush=True)
+    runs = run_modes(plan, args.modes, args)
+    report(runs, args.max_diff)
+    if args.json:
+        write_json(args.json, as_json(runs, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
