@@ -2,13 +2,14 @@
 
 A suite written for `torchrun --nproc-per-node N -m pytest` (Megatron-LM's unit tests, say) runs:
 
-  torchrun  `python -m torch.distributed.run --standalone --nproc-per-node N -m pytest` with this
-            plugin disabled: the way such suites run today; rank 0's junit counts;
+  torchrun  `python -m torch.distributed.run --standalone --nproc-per-node N` running pytest on
+            each rank with this plugin disabled (as `-m pytest` would, through this script, so
+            that each rank writes its own junit): the way such suites run today; rank 0 counts;
   serial    `pytest --megatron-world-size N`: the plugin, every unmarked test on an N-rank gang;
   xdist     `pytest -n auto --dist megatron --megatron-world-size N`;
   faults    serial and torchrun again, with two tests added to the folder: one whose rank 1
             segfaults, one whose rank 1 hangs while rank 0 waits in a barrier. The plugin runs with
-            `--megatron-timeout 20`; torchrun's process group is killed at `--fault-cap` seconds.
+            `--megatron-timeout 20`; torchrun and its ranks are killed at `--fault-cap` s.
 
 Per run it prints the wall time, the sum of the tests' junit times, the outcome counts and the
 tests that got no report (`lost`: collected by `pytest --collect-only`, absent from the run's
@@ -17,7 +18,9 @@ junit; its rank 0's reports, streamed as they happen, are used instead (source `
 
 Example (Megatron-LM's subset, from bench/out/megatron_lm, see its setup_device.sh):
   python ../../real_suite.py tests/unit_tests --nproc 2 --json ../megatron_lm.json
-Pass pytest options with `--pytest-args="-k parallel_state"`; they go to every run.
+TESTDIR is relative to the current directory; the runs start in --cwd (default: here). Pass
+pytest options with `--pytest-args="-k parallel_state"` (every run, plain pytest's options only)
+and the plugin's with `--plugin-args="--megatron-devices 0,1"` (serial, xdist, faults-serial).
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Run:
     returncode: int | None = None
     wall: float = 0.0
     killed: bool = False  # past its cap: the process group was killed ("run lost")
-    leftovers: bool = False  # processes of its group were still alive after it exited
+    leftovers: bool = False  # processes of the run were still alive after it exited
     source: str = "none"  # junit, stream (rank 0's streamed reports) or none
     expected: list[str] = field(default_factory=list)
     tests: dict[str, TestResult] = field(default_factory=dict)
@@ -136,11 +139,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pytest-args", default="", help='extra pytest arguments for every run: --pytest-args="-x"'
     )
+    parser.add_argument("--plugin-args", default="", help="extra arguments for the plugin's runs")
     parser.add_argument("--workers", default="auto", help="-n of the xdist mode (default auto)")
     parser.add_argument(
         "--cwd", default=".", help="where the runs start (a suite's root: its imports, its ini)"
     )
-    parser.add_argument("--out", help="junit files and logs (default bench/out/real_suite/<time>)")
+    parser.add_argument("--out", help="junit files and logs (default bench/out/real_suite/TIME)")
     parser.add_argument("--cap", type=float, default=3600, help="wall-clock cap of a run, s")
     parser.add_argument("--fault-cap", type=float, default=120, help="cap of faults' torchrun, s")
     parser.add_argument("--fault-timeout", type=float, default=20, help="--megatron-timeout, s")
@@ -381,6 +385,7 @@ class Plan:
     out: Path
     nproc: int
     pytest_args: list[str]
+    plugin_args: list[str]
     workers: str
     cap: float
 
@@ -397,7 +402,8 @@ def run_torchrun(plan: Plan, name: str, testdir: str, cap: float, expected: list
 
 def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: list[str]) -> Run:
     junit = plan.out / f"{name}.xml"
-    options = ["--megatron-world-size", str(plan.nproc), *extra, *plan.pytest_args]
+    options = ["--megatron-world-size", str(plan.nproc), *extra, *plan.plugin_args]
+    options += plan.pytest_args
     run = Run(name, pytest_command(testdir, junit, options), expected=expected,
               log=str(plan.out / f"{name}.log"))  # fmt: skip
     execute(run, plan.cwd, plan.cap)
@@ -406,7 +412,7 @@ def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: 
 
 
 def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Run]:
-    runs = []
+    runs, expected = [], []
     if {"torchrun", "serial", "xdist"} & set(modes):
         expected = collect(plan.testdir, plan.cwd, plan.pytest_args)
     if "torchrun" in modes:
@@ -495,8 +501,10 @@ def report(runs: list[Run], limit: int) -> None:
     """The summary, the differences between the ordinary runs, then between the faults runs."""
     print(summary_table(runs))
     for run in runs:
-        if run.source == "none" or (run.returncode or 0) > 1:
-            print(f"\n{run.name}: exit {run.returncode}, junit {run.source}; end of {run.log}:")
+        if run.source == "none" or run.killed or run.returncode not in (0, 1):
+            killed = ", killed at its cap" if run.killed else ""
+            print(f"\n{run.name}: exit {run.returncode}{killed}, results from {run.source}; "
+                  f"end of {run.log}:")  # fmt: skip
             print(tail(Path(run.log).read_text(errors="replace"), LOG_TAIL))
     groups = {
         "outcomes that differ": [run for run in runs if not run.name.startswith("faults")],
@@ -511,7 +519,7 @@ def report(runs: list[Run], limit: int) -> None:
 def as_json(runs: list[Run], args: argparse.Namespace) -> dict:
     return {
         "machine": INFO,
-        "arguments": {key: value for key, value in vars(args).items() if key != "as_rank"},
+        "arguments": vars(args),
         "runs": [{**asdict(run), "lost": run.lost(), "counts": counts(run)} for run in runs],
     }
 
@@ -524,10 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--as-rank"]:  # started by torchrun_command on a rank
         return rank_main(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
     args = parse_args(argv)
-    out = Path(args.out or f"bench/out/real_suite/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    default_out = Path(__file__).parent / "out" / "real_suite" / time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or default_out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan = Plan(os.path.abspath(args.testdir), Path(args.cwd).resolve(), out, args.nproc,
-                shlex.split(args.pytest_args), args.workers, args.cap)  # fmt: skip
+                shlex.split(args.pytest_args), shlex.split(args.plugin_args), args.workers,
+                args.cap)  # fmt: skip
     print("\n".join(header_lines("real suite: " + args.testdir, INFO)))
     print(f"cwd     : {plan.cwd}\nout     : {out}\n", flush=True)
     runs = run_modes(plan, args.modes, args)

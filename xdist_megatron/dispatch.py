@@ -41,9 +41,9 @@ class GangDispatch:
             return None  # type: ignore[return-value]
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        _end_driver_scopes(item)
         for report in self._run(item, nextitem):
             ihook.pytest_runtest_logreport(report=report)
+        _end_driver_scopes(item, nextitem)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
@@ -70,12 +70,11 @@ class GangDispatch:
         return reporting.merge(item, results)
 
 
-def _end_driver_scopes(item: pytest.Item) -> None:
-    """End what the driver kept set up for a test that ran here (its module's fixtures, kept for
-    this item as pytest's nextitem) that this item's module does not share, as pytest would have
-    before setting this item up."""
+def _end_driver_scopes(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """What the driver keeps set up for the tests that run here (fixtures of unmarked tests and
+    of the `gang` style) ends where `nextitem` does not share it, as after a local test."""
     try:
-        item.session._setupstate.teardown_exact(item)
+        item.session._setupstate.teardown_exact(nextitem)
     except Exception as exc:
         _say(item, f"a fixture of an earlier test failed in teardown: {exc!r}")
 
