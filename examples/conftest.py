@@ -1,4 +1,4 @@
-"""Shared fixtures of the example suite: resolved in the driver, pickled to every rank."""
+"""Shared fixtures of the example suite: resolved on every rank, as under torchrun."""
 
 import pytest
 

@@ -58,7 +58,7 @@ def test_explicit_style(gang):
 
 
 @pytest.mark.world_size(2)
-def test_fixture_values_travel_to_the_ranks(hidden_size, rank):
+def test_conftest_fixture_on_the_ranks(hidden_size, rank):
     weight = torch.full((hidden_size,), float(rank))
     dist.all_reduce(weight)
     assert weight.sum().item() == hidden_size * 1.0

@@ -16,9 +16,11 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.runner import collect_one_node
 
 from .protocol import SessionArgs
 
@@ -46,6 +48,10 @@ _DRIVER_ONLY_OPTIONS: dict[str, Any] = {
     "cacheclear": False,
     "collectonly": False,
 }
+
+
+class CollectionFailed(Exception):
+    """The rank could not collect the collector that leads to a test."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +94,15 @@ class RankSession:
             config.hook.pytest_sessionstart(session=self.session)
         self._items: dict[str, pytest.Item] = {}
         self._collected: set[str] = set()
+        self._roots: list[Any] | None = None  # what the run's arguments name, uncollected
+        self._children: dict[Any, list[Any]] = {}
 
     def run(self, nodeid: str, module_path: str, next_nodeid: str | None) -> None:
         """Run one test's protocol (its reports go to the driver as they are made)."""
         item = self._item(nodeid, module_path)
         if item is None:
-            raise LookupError(f"{nodeid} was not collected on this rank")
+            errors = "\n".join(self._sender.collect_errors)
+            raise CollectionFailed(f"{nodeid} was not collected on this rank\n{errors}".strip())
         self.teardown_until(item)  # scopes the last test kept that this one does not share
         self.session.shouldfail = self.session.shouldstop = False
         item.ihook.pytest_runtest_protocol(item=item, nextitem=self._next(item, next_nodeid))
@@ -123,9 +132,59 @@ class RankSession:
         if nodeid not in self._items and module_path not in self._collected:
             self._collected.add(module_path)
             with _quiet_stdout():
-                items = self.session.perform_collect([module_path], genitems=True)
-            self._items.update((i.nodeid, i) for i in items)
+                items = self._collect_module(Path(module_path))
+            self._items.update((item.nodeid, item) for item in items)
         return self._items.get(nodeid)
+
+    def _collect_module(self, path: Path) -> list[pytest.Item]:
+        """The items of one test module, collected through the same collector nodes every time
+        (pytest keys a conftest's fixtures by its directory's node): the run's arguments once,
+        then only the directories that lead to the module."""
+        if self._roots is None:
+            self._roots = self._collect_arguments()
+        items: list[pytest.Item] = []
+        for root in self._roots:
+            node = self._descend(root, path)
+            if node is not None:
+                items += self.session.genitems(node)
+        self.config.hook.pytest_collection_modifyitems(
+            session=self.session, config=self.config, items=items
+        )
+        return items
+
+    def _collect_arguments(self) -> list[Any]:
+        """The nodes the run's arguments name, not collected further. pytest >= 9.1 parses a
+        conftest's fixtures when its directory is collected and, at the end of a collection,
+        forgets the conftests whose directories were not: those are collected later here."""
+        keeper = _PendingConftests()
+        self.config.pluginmanager.register(keeper)
+        try:
+            roots = list(self.session.perform_collect(None, genitems=False))
+        finally:
+            self.config.pluginmanager.unregister(keeper)
+        pending = getattr(self.session._fixturemanager, "_pending_conftests", None)
+        if pending is not None:
+            pending.update(keeper.saved)
+        return roots
+
+    def _descend(self, node: Any, path: Path) -> Any:
+        """The collector of `path` under `node` (or `node` itself when an argument named a test
+        there), or None when `path` is not under it."""
+        while isinstance(node, pytest.Collector) and node.path != path:
+            if path != node.path and node.path not in path.parents:
+                return None
+            if node not in self._children:
+                report = collect_one_node(node)
+                if not report.passed:
+                    raise CollectionFailed(f"collecting {node.nodeid}:\n{report.longrepr}")
+                self._children[node] = list(report.result)
+            node = next(
+                (c for c in self._children[node] if c.path == path or c.path in path.parents),
+                None,
+            )
+        if isinstance(node, pytest.Item) and node.path != path:
+            return None
+        return node
 
     def _next(self, item: pytest.Item, next_nodeid: str | None) -> Any:
         """The next test on this gang as pytest's teardown sees it."""
@@ -155,6 +214,17 @@ def _quiet_stdout() -> Any:
         sys.stdout = saved
 
 
+class _PendingConftests:
+    """Keeps the conftests pytest is about to forget at the end of a collection."""
+
+    def __init__(self) -> None:
+        self.saved: dict[Any, Any] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.saved = dict(getattr(session._fixturemanager, "_pending_conftests", {}))
+
+
 class _ReportSender:
     """Sends each report of the rank's runner to the driver as soon as it is made, and keeps the
     warnings its tests raised for the driver's warnings summary."""
@@ -163,6 +233,11 @@ class _ReportSender:
         self._config = config
         self._send = send
         self.warnings: list[dict] = []
+        self.collect_errors: list[str] = []
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.collect_errors.append(f"{report.nodeid}:\n{report.longrepr}")
 
     def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str) -> None:
         if when != "runtest":
