@@ -57,6 +57,7 @@ class InProcessRank:
         self._startup: Any = None
         self._module: str | None = None
         self._layout: Any = None
+        self._poisoned = False  # a CUDA error surfaced: this process is of no further use
 
     @property
     def on_gang(self) -> bool:
@@ -76,7 +77,26 @@ class InProcessRank:
         return result
 
     @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        """An asynchronous CUDA error of the body (a device-side assert) fails the body."""
+        __tracebackhide__ = True
+        result = yield
+        if self.applies(item):
+            import torch
+
+            if torch.cuda.is_initialized():
+                try:
+                    torch.cuda.synchronize()
+                except Exception:
+                    # Sticky: the rest of the cleanup would only raise it again in teardown;
+                    # the health check after the test retires the gang.
+                    self._poisoned = True
+                    raise
+        return result
+
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True
         try:
             return (yield)
         finally:
@@ -101,7 +121,11 @@ class InProcessRank:
         self._layout = layouts.switch(wanted, kept, self.holdings.groups)
 
     def _after_test(self) -> None:
+        __tracebackhide__ = True
         from . import state
+
+        if self._poisoned:
+            return
 
         if self._finish_line is not None:
             self._finish_line()

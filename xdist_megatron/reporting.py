@@ -88,8 +88,9 @@ def _add_rank_failure(
     else:
         when = "teardown"
     earlier = reports.get(when)
-    if earlier is not None and earlier.failed:
-        text = f"{earlier.longrepr}\n{text}"
+    if earlier is not None and earlier.failed:  # its own report says what went wrong first
+        earlier.sections.append(("xdist-megatron", text))
+        return
     report = _report(item, when, "failed", text)
     report.duration = result.duration
     if earlier is not None:

@@ -85,6 +85,7 @@ def cleanup_after_job(
     singleton is still reset); with `keep_libraries`, all of Megatron's and Transformer Engine's
     state (a class fixture that set Megatron up for its tests).
     """
+    __tracebackhide__ = True
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
     if not keep_libraries:
