@@ -228,7 +228,6 @@ class Runtime:
                 invocation_dir=str(config.invocation_params.dir),
                 sys_path=list(sys.path),
                 basetemp=str(base / "ranks"),
-                capture=config.getoption("capture", "fd"),
             )
         return self._session_args
 

@@ -42,7 +42,6 @@ class SessionArgs:
     invocation_dir: str
     sys_path: list[str]
     basetemp: str  # the folder in which each rank makes its own basetemp and cache
-    capture: str  # the driver's --capture method
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,6 @@ class RankSession:
         sys.path[:] = args.sys_path
         cache = os.path.join(args.basetemp, f"cache-rank{rank}-{os.getpid()}")
         rank_args = [*args.args, "-o", f"cache_dir={cache}"]
-        if args.capture == "fd":
-            # fd-level output of the test goes to the rank's own capture file, which outlives a
-            # rank that crashes; Python-level output still lands in pytest's report sections.
-            rank_args.append("--capture=sys")
         with _quiet_stdout():
             config = _prepareconfig(rank_args, None)
             for name, value in _DRIVER_ONLY_OPTIONS.items():

@@ -73,14 +73,14 @@ def _add_rank_failure(
     item: pytest.Item, result: RankResult, reports: dict[str, pytest.TestReport]
 ) -> None:
     """Put what the driver saw of a rank (death, hang, failed checks) into the phase the rank
-    was in (nothing when the rank's own reports already say it failed)."""
-    if result.longrepr is None and any(r.failed for r in reports.values()):
+    was in; a rank whose own report already failed gets it as a section of that report."""
+    text = result.message
+    if result.longrepr not in (None, result.message):
+        text += f"\n{result.longrepr}"
+    failed = [report for report in reports.values() if report.failed]
+    if failed:  # the rank's own report says what went wrong first
+        failed[-1].sections.append(("xdist-megatron", text))
         return
-    text = (
-        result.message
-        if result.longrepr in (None, result.message)
-        else (f"{result.message}\n{result.longrepr}")
-    )
     if "setup" not in reports:
         when = "setup"
     elif reports["setup"].passed and "call" not in reports:
@@ -88,9 +88,6 @@ def _add_rank_failure(
     else:
         when = "teardown"
     earlier = reports.get(when)
-    if earlier is not None and earlier.failed:  # its own report says what went wrong first
-        earlier.sections.append(("xdist-megatron", text))
-        return
     report = _report(item, when, "failed", text)
     report.duration = result.duration
     if earlier is not None:
