@@ -133,6 +133,7 @@ class InProcessRank:
             keep_groups=self.holdings.groups,
             keep_megatron=self._layout is not None,
             keep_libraries=self.holdings.megatron,
+            destroy_groups=len(state.process_groups()) > state.GROUP_LIMIT,
         )
 
     def reset(self) -> None:

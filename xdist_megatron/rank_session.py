@@ -12,6 +12,7 @@ Built on the rank's first test, never in the zygote: conftest files are test cod
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -130,6 +131,10 @@ class RankSession:
             with _quiet_stdout():
                 items = self._collect_module(Path(module_path))
             self._items.update((item.nodeid, item) for item in items)
+            # The module and what it imported live as long as the rank: keep them out of the
+            # collections that the cleanup after each test runs.
+            gc.collect()
+            gc.freeze()
         return self._items.get(nodeid)
 
     def _collect_module(self, path: Path) -> list[pytest.Item]:

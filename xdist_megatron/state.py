@@ -74,7 +74,10 @@ def restore(
 
 
 def cleanup_after_job(
-    keep_groups: Iterable[object] = (), keep_megatron: bool = False, keep_libraries: bool = False
+    keep_groups: Iterable[object] = (),
+    keep_megatron: bool = False,
+    keep_libraries: bool = False,
+    destroy_groups: bool = True,
 ) -> None:
     """Called on every rank after every job (all ranks call it collectively). An error here (e.g. a
     sticky CUDA error surfacing from torch.cuda.synchronize) must propagate so the test that caused
@@ -83,7 +86,8 @@ def cleanup_after_job(
     What a wider scope still holds stays: the process groups in `keep_groups`; with
     `keep_megatron`, megatron.core.parallel_state and its groups (a kept layout; every other
     singleton is still reset); with `keep_libraries`, all of Megatron's and Transformer Engine's
-    state (a class fixture that set Megatron up for its tests).
+    state (a class fixture that set Megatron up for its tests). Without `destroy_groups` the
+    process groups are left for the module boundary (see `GROUP_LIMIT`).
     """
     __tracebackhide__ = True
     if torch.cuda.is_initialized():
@@ -91,10 +95,18 @@ def cleanup_after_job(
     if not keep_libraries:
         _teardown_transformer_engine()
         _teardown_megatron(keep_parallel_state=keep_megatron)
-    if _destroy_process_groups(keep=_kept(keep_groups, keep_megatron or keep_libraries)):
+    kept = _kept(keep_groups, keep_megatron or keep_libraries)
+    if destroy_groups and _destroy_process_groups(keep=kept):
         gc.collect()  # finalizers of destroyed groups must run before the next job starts
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+# Destroying a process group costs ~10 ms (its threads are joined; NCCL frees its communicator),
+# and megatron's initialize_model_parallel makes ~20: destroyed after every test that would be
+# ~0.2-0.5 s a test. A test's groups are left registered (as torchrun leaves them all session)
+# and destroyed at the module boundary, or after the test that brings their number over this.
+GROUP_LIMIT = 128
 
 
 def release(groups: Iterable[object], megatron: bool) -> None:
@@ -375,12 +387,13 @@ _PARALLEL_STATE_LEFTOVERS = (
     "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
     "_HYBRID_DP_CP_GROUPS",
 )
+_CUDA_GRAPHS = "megatron.core.transformer.cuda_graphs"
 _MEGATRON_RESETS = (
     ("megatron.core.num_microbatches_calculator", "destroy_num_microbatches_calculator"),
     ("megatron.core.rerun_state_machine", "destroy_rerun_state_machine"),
     ("megatron.core.transformer.moe.moe_logging", "destroy_moe_metrics_tracker"),
     ("megatron.core.transformer.moe.moe_logging", "destroy_moe_overload_factor_tracker"),
-    ("megatron.core.transformer.cuda_graphs", "delete_cuda_graphs"),
+    (_CUDA_GRAPHS, "delete_cuda_graphs"),
 )
 # Singletons whose identity tells that a fixture set Megatron up (see megatron_fingerprint).
 _MEGATRON_SINGLETONS = (
@@ -408,11 +421,27 @@ def _teardown_megatron(keep_parallel_state: bool) -> None:
         _reset_parallel_state()
     for module_name, name in _MEGATRON_RESETS:
         reset = _loaded_function(module_name, name)
-        if reset is not None:
+        if reset is not None and _needs_reset(module_name):
             reset()
     _clear_moe_aux_losses()
     for module_name in _MEGATRON_RNG_TRACKERS:
         _reset_rng_tracker(sys.modules.get(module_name))
+
+
+def _needs_reset(module_name: str) -> bool:
+    """delete_cuda_graphs runs a full gc.collect (~0.1 s): only when there are graphs."""
+    if module_name != _CUDA_GRAPHS:
+        return True
+    module = sys.modules[module_name]
+    record = getattr(module, "_CudagraphGlobalRecord", None)
+    manager = getattr(module, "CudaGraphManager", None)
+    return (
+        record is None
+        or bool(getattr(record, "cudagraph_created", True))
+        or bool(getattr(record, "cudagraph_record", True))
+        or bool(getattr(record, "cudagraph_inference_record", True))
+        or getattr(manager, "global_mempool", None) is not None
+    )
 
 
 def _reset_parallel_state() -> None:
