@@ -148,9 +148,19 @@ def test_outcomes_merge_across_ranks(pytester, run_pytest):
 
 
 def test_outcomes_other_than_pass_on_every_rank(pytester, run_pytest):
-    """A test skipped or xfailed on every rank still gets the per-job cleanup; a failure on rank 1
-    only names rank 1; a skip on one rank only fails as a disagreement, not as a hang."""
+    """A test skipped or xfailed on every rank still gets the cleanup (its groups are gone in the
+    next module); a failure on rank 1 only names rank 1; a skip on one rank only fails as a
+    disagreement, not as a hang."""
     pytester.makepyfile(
+        test_two="""
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.world_size(2)
+def test_groups_were_destroyed():
+    world = dist.distributed_c10d._world
+    assert [pg for pg in world.pg_map if pg is not world.default_pg] == []
+""",
         test_one="""
 import pytest
 import torch.distributed as dist
@@ -165,10 +175,6 @@ def test_xfail_after_new_group():
     dist.new_group([0, 1])
     pytest.xfail("every rank xfails")
 
-def test_groups_were_destroyed():
-    world = dist.distributed_c10d._world
-    assert [pg for pg in world.pg_map if pg is not world.default_pg] == []
-
 def test_fail_one(rank):
     values = [1, 2]
     if rank == 1:
@@ -177,7 +183,7 @@ def test_fail_one(rank):
 def test_skip_one(rank):
     if rank == 1:
         pytest.skip("only rank 1 skips")
-"""
+""",
     )
     junit = pytester.path / "junit.xml"
     result = run_pytest("--megatron-timeout", "5", f"--junitxml={junit}")

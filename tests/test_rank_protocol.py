@@ -1,0 +1,167 @@
+"""End to end: what the rank-native protocol promises beyond the torchrun-style suite.
+
+Healthy gangs are kept after ordinary failures; the default group a test destroys or re-creates
+is restored for the next test; fixture scopes live on the gang, also when tests of another size
+run in between, and end (their finalizers run) when the gang does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+FACTS = """
+import json, os
+
+def record(name, **values):
+    values.update(pid=os.getpid(), rank=int(os.environ.get("RANK", -1)))
+    with open(os.path.join(os.environ["FACTS_DIR"], name + ".jsonl"), "a") as f:
+        f.write(json.dumps(values) + "\\n")
+"""
+
+KEEP = """
+import time
+import pytest
+import torch
+import torch.distributed as dist
+from facts import record
+
+pytestmark = pytest.mark.world_size(2)
+
+def test_before(rank):
+    record("before")
+
+def test_fails_on_rank_1_only(rank):
+    record("failing")
+    assert rank == 0
+
+def test_destroys_the_default_group(rank):
+    dist.destroy_process_group()
+
+def test_reinitialises_from_the_environment(rank):
+    for _ in range(2):
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method="env://")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2
+
+def test_after(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2 and dist.get_world_size() == 2
+    record("after")
+"""
+
+
+@pytest.fixture
+def facts_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    folder = pytester.mkdir("facts")
+    monkeypatch.setenv("FACTS_DIR", str(folder))
+    pytester.makepyfile(facts=FACTS)
+
+    def read(name: str) -> list[dict]:
+        path = folder / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    return read
+
+
+def test_ordinary_failures_keep_the_gang_and_the_default_group_is_restored(
+    pytester, run_pytest, facts_dir
+):
+    """A failure on one rank while the other finished is reported at once and keeps the gang;
+    a test that destroys the default group, or initialises it again from the environment (twice,
+    torchrun's agent-store contract), leaves the next test a working group on the same ranks."""
+    pytester.makepyfile(test_keep=KEEP)
+    result = run_pytest("-rA", "--megatron-timeout", "60", "--durations=0", "-vv")
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "FAILED test_keep.py::test_fails_on_rank_1_only - rank 1: assert 1 == 0",
+            "*GangWarning: rank 0: the test left the default process group destroyed; the gang "
+            "restored it*",
+        ]
+    )
+    pids = {name: {f["pid"] for f in facts_dir(name)} for name in ("before", "failing", "after")}
+    assert pids["before"] == pids["failing"] == pids["after"], "a failure retired the gang"
+    call = next(line for line in result.outlines if "call" in line and "test_fails_on" in line)
+    assert float(call.split("s ")[0]) < 1.0, call
+
+
+SCOPES_CONFTEST = """
+import pytest
+import torch.distributed as dist
+from facts import record
+
+@pytest.fixture(scope="session")
+def session_resource():
+    record("session-setup")
+    yield "session"
+    record("session-teardown")
+
+@pytest.fixture(scope="module")
+def module_group():
+    record("module-setup")
+    group = dist.new_group([0, 1])
+    yield group
+    record("module-teardown")
+"""
+
+SCOPES_A = """
+import pytest
+import torch
+import torch.distributed as dist
+from facts import record
+
+@pytest.mark.world_size(2)
+def test_one(module_group, session_resource):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=module_group)
+    record("use", group=id(module_group))
+
+@pytest.mark.world_size(1)
+def test_in_between():
+    pass
+
+def test_unmarked_in_between():
+    pass
+
+@pytest.mark.world_size(2)
+def test_two(module_group, session_resource):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=module_group)
+    record("use", group=id(module_group))
+"""
+
+SCOPES_B = """
+import pytest
+from facts import record
+
+@pytest.mark.world_size(2)
+def test_three(session_resource):
+    record("use-b")
+"""
+
+
+@pytest.mark.parametrize("mode", [(), ("-n", "2", "--dist", "megatron")], ids=["serial", "xdist"])
+def test_fixture_scopes_live_on_the_gang(pytester, run_pytest, facts_dir, mode):
+    """A module fixture's group is set up once per rank and kept across tests of other sizes
+    (serially, where the driver knows what that gang runs next); it ends at the module boundary,
+    the session fixture when the gang ends, each with its finalizer run on every rank."""
+    pytester.makeconftest(SCOPES_CONFTEST)
+    pytester.makepyfile(test_a=SCOPES_A, test_b=SCOPES_B)
+    run_pytest(*mode, "--megatron-timeout", "60").assert_outcomes(passed=5)
+    uses = facts_dir("use")
+    for rank in (0, 1):
+        mine = [f for f in uses if f["rank"] == rank]
+        assert len(mine) == 2 and len({f["pid"] for f in mine}) == 1
+        if not mode:  # serially the driver knows test_two follows on that gang
+            assert len({f["group"] for f in mine}) == 1, "the module fixture was set up twice"
+    for scope in ("session", "module"):  # once per rank process, and ended there
+        setups = [f["pid"] for f in facts_dir(f"{scope}-setup")]
+        teardowns = [f["pid"] for f in facts_dir(f"{scope}-teardown")]
+        assert sorted(setups) == sorted(teardowns), scope
+        if not mode:
+            assert len(setups) == len(set(setups)) == 2, scope
