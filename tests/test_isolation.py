@@ -41,6 +41,7 @@ def settings(legacy=True):
         ],
         "default_dtype": str(torch.get_default_dtype()),
         "grad_enabled": torch.is_grad_enabled(),
+        "num_threads": torch.get_num_threads(),
         "torch_rng": digest(torch.get_rng_state().numpy().tobytes()),
         "python_rng": digest(repr(random.getstate()).encode()),
         "numpy_rng": digest(numpy_state[1].tobytes() + repr(numpy_state[2:]).encode()),
@@ -89,6 +90,7 @@ def test_dirty_everything(rank):
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
+    torch.set_num_threads(torch.get_num_threads() + 1)
     torch.manual_seed(1234)
     random.seed(1234)
     np_random.seed(1234)

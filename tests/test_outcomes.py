@@ -300,3 +300,22 @@ def test_tb_no_and_last_failed_rerun(pytester, tag):
     assert_no_processes_left(tag)
     again.assert_outcomes(failed=1)
     again.stdout.fnmatch_lines(["run-last-failure: rerun previous 1 failure*"])
+
+
+def test_timeout_zero_means_none_and_a_negative_one_is_a_usage_error(pytester, run_pytest):
+    """As in pytest-timeout: `--megatron-timeout 0` lets a test run as long as it takes; a
+    negative value stops the run before any test, naming the option."""
+    pytester.makepyfile(
+        test_slow="""
+import time
+import pytest
+
+@pytest.mark.world_size(2)
+def test_slower_than_nothing():
+    time.sleep(0.5)
+"""
+    )
+    run_pytest("--megatron-timeout", "0").assert_outcomes(passed=1)
+    refused = run_pytest("--megatron-timeout", "-5")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*--megatron-timeout / megatron_timeout must be seconds >= 0*"])

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import math
 import os
 import shutil
 import sys
@@ -122,6 +123,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
     )
     runtime = config.stash[RUNTIME] = Runtime(config)
+    runtime.default_timeout()  # a bad value is a usage error now, not a failure per test
     if runtime.inprocess is not None:
         config.pluginmanager.register(runtime.inprocess, inprocess.PLUGIN_NAME)
     else:
@@ -322,8 +324,18 @@ class Runtime:
         return min(max(sizes, default=0), self.devices.count)
 
     def default_timeout(self) -> float:
+        """--megatron-timeout, else ini megatron_timeout; 0 means none, as in pytest-timeout."""
         value = self.config.getoption("megatron_timeout")
-        return float(value if value is not None else self.config.getini("megatron_timeout"))
+        text = value if value is not None else self.config.getini("megatron_timeout")
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if seconds < 0:
+            raise pytest.UsageError(
+                f"--megatron-timeout / megatron_timeout must be seconds >= 0, got {text!r}"
+            )
+        return seconds or math.inf
 
     def preload(self) -> list[str]:
         """megatron_preload, or the third-party modules the collected test modules imported."""

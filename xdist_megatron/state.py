@@ -267,6 +267,7 @@ _SETTINGS: dict[str, _Setting] = {
     "default_dtype": _functions(torch, "get_default_dtype", "set_default_dtype"),
     "default_device": _Setting(_get_default_device, _set_default_device),
     "grad_enabled": _functions(torch, "is_grad_enabled", "set_grad_enabled"),
+    "num_threads": _functions(torch, "get_num_threads", "set_num_threads"),
 }
 
 
