@@ -352,8 +352,9 @@ def _destroy(doomed: list[object]) -> None:
     dist.barrier()
     for index in range(len(doomed)):
         dist.destroy_process_group(doomed[index])
-    _REAPER.take([group for group, gloo in zip(doomed, gloo_only, strict=True) if gloo])
-    doomed.clear()
+    reapable = [group for group, gloo in zip(doomed, gloo_only, strict=True) if gloo]
+    doomed.clear()  # the last references of the others: they end here
+    _REAPER.take(reapable)
 
 
 class _Reaper:
@@ -367,6 +368,7 @@ class _Reaper:
         self._threads: list[threading.Thread] = []
 
     def take(self, doomed: list[object]) -> None:
+        """Hold the last references of `doomed` (emptied) and drop them on the reaper threads."""
         self.wait()
         shares = [doomed[i :: self.THREADS] for i in range(self.THREADS)]
         doomed.clear()
