@@ -165,3 +165,86 @@ def test_fixture_scopes_live_on_the_gang(pytester, run_pytest, facts_dir, mode):
         assert sorted(setups) == sorted(teardowns), scope
         if not mode:
             assert len(setups) == len(set(setups)) == 2, scope
+
+
+EDGES_PACKAGE_CONFTEST = """
+import pytest
+from facts import record
+
+@pytest.fixture(scope="package")
+def package_resource():
+    record("package-setup")
+    yield
+
+@pytest.fixture(scope="module")
+def driver_resource():
+    yield
+    raise RuntimeError("the driver's module fixture fails in teardown")
+"""
+
+EDGES_A = """
+import time
+import pytest
+import torch.distributed as dist
+from facts import record
+
+@pytest.fixture
+def slow_teardown():
+    yield
+    time.sleep(3)
+
+@pytest.mark.world_size(4)
+def test_group_of_two_ranks(rank, package_resource):
+    dist.new_group([0, 1])  # registered on ranks 0 and 1 only
+
+@pytest.mark.world_size(2)
+def test_fails_then_tears_down_slowly(rank, slow_teardown, package_resource):
+    record("slow", rank=rank)
+    assert rank == 99
+
+@pytest.mark.world_size(2)
+def test_after_the_slow_teardown(rank, package_resource):
+    record("after-slow", rank=rank)
+
+def test_in_the_driver(driver_resource):
+    pass
+
+@pytest.mark.world_size(2)
+def test_last_of_the_module_on_a_gang(rank):
+    pass
+"""
+
+EDGES_B = """
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.world_size(4)
+def test_next_module(rank, package_resource):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4
+"""
+
+
+def test_review_edges(pytester, run_pytest, facts_dir):
+    """A group only some ranks hold does not stall the module boundary; a failing rank's slow
+    teardown is not mistaken for a hang (the gang is kept); a package fixture lives across the
+    package's modules; a driver fixture's teardown error fails the test that ends it."""
+    pkg = pytester.mkpydir("pkg")
+    (pkg / "conftest.py").write_text(EDGES_PACKAGE_CONFTEST)
+    (pkg / "test_a.py").write_text(EDGES_A)
+    (pkg / "test_b.py").write_text(EDGES_B)
+    result = run_pytest("--megatron-timeout", "30", "-rA")
+    result.assert_outcomes(passed=5, failed=1, errors=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "FAILED pkg/test_a.py::test_fails_then_tears_down_slowly - rank 0: assert 0 ==*",
+            "ERROR pkg/test_a.py::test_last_of_the_module_on_a_gang*",
+        ]
+    )
+    assert "still running" not in result.stdout.str()
+    slow = {f["pid"] for f in facts_dir("slow")}
+    assert slow == {f["pid"] for f in facts_dir("after-slow")}, "a slow teardown retired the gang"
+    setups = [f["pid"] for f in facts_dir("package-setup")]
+    assert len(setups) == len(set(setups)) == 2 + 4, "a package fixture was set up twice on a rank"

@@ -8,6 +8,7 @@ merged from the ranks' reports.
 from __future__ import annotations
 
 import importlib
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,10 @@ class GangDispatch:
             return None  # type: ignore[return-value]
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for report in self._run(item, nextitem):
+        reports = self._run(item, nextitem)
+        _end_driver_scopes(item, nextitem, reports[-1])
+        for report in reports:
             ihook.pytest_runtest_logreport(report=report)
-        _end_driver_scopes(item, nextitem)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
@@ -70,13 +72,20 @@ class GangDispatch:
         return reporting.merge(item, results)
 
 
-def _end_driver_scopes(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+def _end_driver_scopes(
+    item: pytest.Item, nextitem: pytest.Item | None, teardown: pytest.TestReport
+) -> None:
     """What the driver keeps set up for the tests that run here (fixtures of unmarked tests and
-    of the `gang` style) ends where `nextitem` does not share it, as after a local test."""
+    of the `gang` style) ends where `nextitem` does not share it, as after a local test; an error
+    there fails this test's teardown, as it would locally."""
     try:
         item.session._setupstate.teardown_exact(nextitem)
-    except Exception as exc:
-        _say(item, f"a fixture of an earlier test failed in teardown: {exc!r}")
+    except Exception:
+        text = traceback.format_exc()
+        if teardown.failed:
+            teardown.sections.append(("teardown of the driver's fixtures", text))
+        else:
+            teardown.outcome, teardown.longrepr = "failed", text
 
 
 def _no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:

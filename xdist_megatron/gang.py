@@ -26,6 +26,8 @@ from .protocol import (
     DIED,
     FAILED,
     STUCK,
+    WAITED,
+    AtFinishLine,
     CallJob,
     Job,
     PhaseReport,
@@ -286,6 +288,7 @@ class Gang:
     def _collect(self, timeout: float) -> list[RankResult]:
         reports: dict[int, list[dict]] = {rank: [] for rank in range(self.world_size)}
         results: dict[int, RankResult] = {}
+        finished: set[int] = set()  # ranks done with their test, waiting for their peers
         waiting = dict(zip(self._conns, range(self.world_size), strict=True))
         start = time.monotonic()
         deadline = start + timeout
@@ -300,44 +303,66 @@ class Gang:
                     self._pump_zygote()
                     continue
                 rank = waiting[conn]
-                message = self._receive(conn, rank)
-                if isinstance(message, PhaseReport):
-                    reports[rank].append(message.data)
-                    continue
-                del waiting[conn]
-                results[rank] = message
+                if self._take(conn, rank, reports, finished, results):
+                    del waiting[conn]
             for conn, rank in list(waiting.items()):
                 if self.pids[rank] in self._zygote.exits:
+                    while conn.poll(0) and not self._take(conn, rank, reports, finished, results):
+                        pass  # what it sent before it died still counts
                     del waiting[conn]
-                    results[rank] = self._death(rank)
-            if grace_end == float("inf") and _first_failure(results, reports) is not None:
+                    results.setdefault(rank, self._death(rank))
+            if grace_end == float("inf") and _cause(results, reports, finished) is not None:
                 grace_end = time.monotonic() + FAILURE_GRACE
         if waiting:
-            self._report_unfinished(sorted(waiting.values()), results, reports, timeout)
+            self._report_unfinished(sorted(waiting.values()), results, reports, finished, timeout)
         for rank, result in results.items():
             result.reports = reports[rank]
             if result.lost:
                 result.duration = time.monotonic() - start
         return [results[rank] for rank in range(self.world_size)]
 
+    def _take(
+        self,
+        conn: Connection,
+        rank: int,
+        reports: dict[int, list[dict]],
+        finished: set[int],
+        results: dict[int, RankResult],
+    ) -> bool:
+        """Read one message of `rank`; True once it is the rank's final result (or death)."""
+        message = self._receive(conn, rank)
+        if isinstance(message, PhaseReport):
+            reports[rank].append(message.data)
+            return False
+        if isinstance(message, AtFinishLine):
+            finished.add(rank)
+            return False
+        results[rank] = message
+        return True
+
     def _report_unfinished(
         self,
         ranks: list[int],
         results: dict[int, RankResult],
         reports: dict[int, list[dict]],
+        finished: set[int],
         timeout: float,
     ) -> None:
-        """Ranks still busy fail with their stacks; a rank whose own test already failed was only
-        waiting for its peers, and its failure says enough."""
-        failed = _first_failure(results, reports)
-        if failed is not None:
-            why = f"was still running {FAILURE_GRACE:g} s after rank {failed} failed"
+        """Ranks still busy in their test fail with their stacks; a rank that was done and only
+        waited for its peers says so, and its own reports stand."""
+        cause = _cause(results, reports, finished)
+        if cause is not None:
+            why = f"was still running {FAILURE_GRACE:g} s after rank {cause} failed"
         else:
             why = f"timed out after {timeout:g} s"
         stacks = self._dump_stacks(ranks)
         for rank in ranks:
-            stack = None if any(_failed(data) for data in reports[rank]) else stacks[rank]
-            results[rank] = RankResult(rank, FAILED, f"rank {rank} {why}", stack, lost=STUCK)
+            if rank in finished:
+                message = f"rank {rank} was done and waited for its peers"
+                results[rank] = RankResult(rank, FAILED, message, lost=WAITED)
+            else:
+                message = f"rank {rank} {why}"
+                results[rank] = RankResult(rank, FAILED, message, stacks[rank], lost=STUCK)
 
     def _pump_zygote(self) -> None:
         try:
@@ -373,15 +398,20 @@ class Gang:
         return {r: _read_stacks(r, p) for r, p in paths.items()}
 
 
-def _failed(report: dict) -> bool:
-    return report.get("outcome") == "failed"
+def _stopped_early(report: dict) -> bool:
+    """A setup or call that did not pass: its peers may wait for it in a collective forever."""
+    return report.get("when") != "teardown" and report.get("outcome") != "passed"
 
 
-def _first_failure(results: dict[int, RankResult], reports: dict[int, list[dict]]) -> int | None:
-    """The lowest rank whose job or test failed so far, if any."""
-    failed = [r for r, result in results.items() if result.outcome == FAILED]
-    failed += [r for r, datas in reports.items() if any(_failed(d) for d in datas)]
-    return min(failed, default=None)
+def _cause(
+    results: dict[int, RankResult], reports: dict[int, list[dict]], finished: set[int]
+) -> int | None:
+    """The lowest rank that died, or that is done with a test that failed, skipped or xfailed:
+    once there is one, ranks still running have FAILURE_GRACE seconds to finish."""
+    died = [rank for rank, result in results.items() if result.lost == DIED]
+    done = [rank for rank in finished if any(_stopped_early(d) for d in reports[rank])]
+    done += [r for r, result in results.items() if result.outcome == FAILED and not result.lost]
+    return min(died + done, default=None)
 
 
 def _size(path: str) -> int:

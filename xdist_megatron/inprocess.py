@@ -58,6 +58,7 @@ class InProcessRank:
         self._module: str | None = None
         self._layout: Any = None
         self._poisoned = False  # a CUDA error surfaced: this process is of no further use
+        self._groups_at_last_destroy = 0
 
     @property
     def on_gang(self) -> bool:
@@ -133,8 +134,19 @@ class InProcessRank:
             keep_groups=self.holdings.groups,
             keep_megatron=self._layout is not None,
             keep_libraries=self.holdings.megatron,
-            destroy_groups=len(state.process_groups()) > state.GROUP_LIMIT,
+            destroy_groups=self._groups_over_limit(),
         )
+
+    def _groups_over_limit(self) -> bool:
+        """Whether the groups made since they were last destroyed are too many to keep (decided
+        alike on every rank: the destruction is collective)."""
+        from . import state
+
+        made = state.groups_made()
+        if made - self._groups_at_last_destroy <= state.GROUP_LIMIT:
+            return False
+        self._groups_at_last_destroy = made
+        return True
 
     def reset(self) -> None:
         """Module boundary (the module's own scopes already ended): back to the start-up state,
@@ -146,6 +158,7 @@ class InProcessRank:
         state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
         if self._startup is not None:
             state.restore(self._startup, held.groups, keep_libraries=held.megatron)
+        self._groups_at_last_destroy = state.groups_made()
 
     def set_startup(self, startup: Any) -> None:
         self._startup = startup

@@ -230,6 +230,8 @@ class Runtime:
                 invocation_dir=str(config.invocation_params.dir),
                 sys_path=list(sys.path),
                 basetemp=str(base / "ranks"),
+                # pytest-cov would start on each rank and write the driver's data files.
+                extra=("--no-cov",) if config.pluginmanager.hasplugin("_cov") else (),
             )
         return self._session_args
 
@@ -628,7 +630,7 @@ class GangHandle:
         if self._runtime.inprocess is not None:
             return self._runtime.inprocess.run(fn, *args, **kwargs)
         timeout = _marker_timeout(self._item) or self._runtime.default_timeout()
-        module = self._item.module.__name__
+        module = self._item.nodeid.split("::")[0]  # as the dispatcher names it
         pool = self._runtime.pool
         with pool.devices_held(self.world_size):
             self._gang = pool.acquire(self.world_size, module, timeout)

@@ -77,8 +77,9 @@ class GangPool:
         """Run `job` on the gang of `size` ranks, holding its devices."""
         self._live_zygote()  # wait for its imports before taking the devices from others
         self._ensure_started(size)  # forking and joining only create contexts: no lock needed
+        nodeid = getattr(job, "nodeid", None)
         with self.devices_held(size):
-            return self.acquire(size, module, timeout).execute(job, timeout)
+            return self.acquire(size, module, timeout, nodeid).execute(job, timeout)
 
     def _ensure_started(self, size: int) -> None:
         gang = self._gangs.get(size)
@@ -90,8 +91,9 @@ class GangPool:
         for size in [s for s in self._gangs if s not in keep]:
             self._gangs.pop(size).close()
 
-    def acquire(self, size: int, module: str, timeout: float) -> Gang:
-        """A live gang of `size` ranks, reset to its start-up state if `module` is new to it."""
+    def acquire(self, size: int, module: str, timeout: float, nodeid: str | None = None) -> Gang:
+        """A live gang of `size` ranks, reset to its start-up state if `module` (of the test
+        `nodeid`, where known) is new to it."""
         gang = self._gangs.get(size)
         lost = gang.lost_ranks() if gang is not None and gang.alive else []
         if lost:
@@ -102,18 +104,18 @@ class GangPool:
             )
             gang.retire()
         if gang is not None and gang.alive and gang.last_module not in (None, module):
-            gang = self._cross_module_boundary(gang, module)
+            gang = self._cross_module_boundary(gang, module, nodeid)
         if gang is None or not gang.alive:
             gang = self._start(size)
         gang.last_module = module
         gang.timeout = timeout
         return gang
 
-    def _cross_module_boundary(self, gang: Gang, module: str) -> Gang | None:
+    def _cross_module_boundary(self, gang: Gang, module: str, nodeid: str | None) -> Gang | None:
         if self.scope == MODULE_SCOPE:
             gang.close()
             return None
-        results = gang.execute(ResetJob(), RESET_TIMEOUT)
+        results = gang.execute(ResetJob(nodeid), RESET_TIMEOUT)
         failed = [r for r in results if r.outcome == FAILED]
         if failed:
             self.notes.append(

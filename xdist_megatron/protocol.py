@@ -42,6 +42,7 @@ class SessionArgs:
     invocation_dir: str
     sys_path: list[str]
     basetemp: str  # the folder in which each rank makes its own basetemp and cache
+    extra: tuple[str, ...] = ()  # arguments only the ranks get (plugins that write files)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class ResetJob:
     """Module boundary: end the scopes the last module kept, then restore the state each rank
     recorded right after it started."""
 
+    next_nodeid: str | None = None  # the test that comes next: scopes it shares stay
+
 
 @dataclass(frozen=True)
 class ShutdownJob:
@@ -83,7 +86,7 @@ class ShutdownJob:
 Job = TestJob | CallJob | CleanupJob | ResetJob | ShutdownJob
 
 PASSED, FAILED = "passed", "failed"
-DIED, STUCK = "died", "stuck"
+DIED, STUCK, WAITED = "died", "stuck", "waited"
 
 
 @dataclass
@@ -101,7 +104,7 @@ class RankResult:
     value: Any = None  # CallJob return value
     reports: list[dict] = field(default_factory=list)  # a TestJob's serialised pytest reports
     note: str = ""  # what the rank repaired after the job (a warning of the test)
-    lost: str = ""  # DIED or STUCK: what the driver saw of a rank that could not report
+    lost: str = ""  # DIED, STUCK or WAITED (done, waited for peers): a rank that did not report
     warnings: list[dict] = field(default_factory=list)  # warnings the test raised on the rank
 
 
@@ -111,6 +114,13 @@ class PhaseReport:
 
     rank: int
     data: dict
+
+
+@dataclass(frozen=True)
+class AtFinishLine:
+    """A rank is done with its test (its fixtures torn down) and waits for its peers."""
+
+    rank: int
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from .capture import FdCapture, capture_prefix
 from .protocol import (
     FAILED,
     PASSED,
+    AtFinishLine,
     CallJob,
     CleanupJob,
     Job,
@@ -44,6 +45,7 @@ _WATCH_INTERVAL = 0.5
 
 _info: RankInfo | None = None
 _store: Any = None  # this rank's client of the driver's store
+_send: Callable[[Any], None] | None = None  # to the driver
 _finish_lines = 0
 
 
@@ -67,7 +69,9 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     os.environ.clear()
     os.environ.update(spec.env)
     os.environ[ZYGOTE_VAR] = zygote_pid
+    global _send
     conn = Connection(sock_fd)
+    _send = conn.send
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     _join_process_group(spec)
@@ -123,7 +127,8 @@ def finish_line() -> None:
     collective, so a rank that failed early never meets a peer's collective with its own. The
     driver bounds the wait (a peer that never comes is hung or dead)."""
     global _finish_lines
-    assert _store is not None and _info is not None
+    assert _store is not None and _info is not None and _send is not None
+    _send(AtFinishLine(_info.rank))  # a peer still running after this one failed is stuck
     _finish_lines += 1
     key = f"xdist-megatron/finished/{_finish_lines}"
     if _store.add(key, 1) == _info.world_size:
@@ -219,7 +224,7 @@ class _JobRunner:
         if isinstance(job, CleanupJob):
             return self._guarded(self._cleanup)
         if isinstance(job, ResetJob):
-            return self._guarded(self._reset)
+            return self._guarded(lambda: self._reset(job.next_nodeid))
         raise TypeError(f"unknown job {job!r}")
 
     def _guarded(self, action: Callable[[], str | None]) -> RankResult:
@@ -269,7 +274,7 @@ class _JobRunner:
             held = plugin.holdings
             state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
 
-    def _reset(self) -> None:
+    def _reset(self, next_nodeid: str | None) -> None:
         from . import state
 
         plugin = self._in_process_rank()
@@ -277,7 +282,7 @@ class _JobRunner:
             state.cleanup_after_job()
             state.restore(self.startup)
             return
-        self.session.teardown_until(None)  # the last module's class and module scopes end
+        self.session.teardown_until(next_nodeid)  # the last module's scopes end
         plugin.reset()
 
     def _repair_default_group(self) -> str:

@@ -76,7 +76,8 @@ class RankSession:
         os.chdir(args.invocation_dir)
         sys.path[:] = args.sys_path
         cache = os.path.join(args.basetemp, f"cache-rank{rank}-{os.getpid()}")
-        rank_args = [*args.args, "-o", f"cache_dir={cache}"]
+        rank_args = [a for a in args.args if not a.startswith("--debug")]  # the driver's log
+        rank_args += ["-o", f"cache_dir={cache}", *args.extra]
         with _quiet_stdout():
             config = _prepareconfig(rank_args, None)
             for name, value in _DRIVER_ONLY_OPTIONS.items():
@@ -100,7 +101,9 @@ class RankSession:
         if item is None:
             errors = "\n".join(self._sender.collect_errors)
             raise CollectionFailed(f"{nodeid} was not collected on this rank\n{errors}".strip())
-        self.teardown_until(item)  # scopes the last test kept that this one does not share
+        # Scopes the last test kept for a successor that did not come: pytest raises their
+        # finalizers' errors here, with no test left to report them on.
+        self.session._setupstate.teardown_exact(item)
         self.session.shouldfail = self.session.shouldstop = False
         item.ihook.pytest_runtest_protocol(item=item, nextitem=self._next(item, next_nodeid))
 
@@ -109,13 +112,16 @@ class RankSession:
         taken, self._sender.warnings = self._sender.warnings, []
         return taken
 
-    def teardown_until(self, nextitem: Any) -> None:
-        """Tear down the kept scopes that `nextitem` does not share (None: all but the session).
-
-        Only reached for scopes a test kept for a successor that did not come; pytest raises
-        their finalizers' errors here, with no test left to report them."""
-        keep = nextitem if nextitem is not None else _NextOnGang([self.session])
-        self.session._setupstate.teardown_exact(keep)
+    def teardown_until(self, next_nodeid: str | None) -> None:
+        """Module boundary: end the scopes that the next test (None: unknown) does not share,
+        the session's (and its package's) staying."""
+        stack = list(self.session._setupstate.stack)
+        keep = [
+            node
+            for node in stack
+            if node is self.session or (next_nodeid and _is_ancestor(node.nodeid, next_nodeid))
+        ]
+        self.session._setupstate.teardown_exact(_NextOnGang(keep))
 
     def finish(self) -> None:
         """End of the gang: session-scoped fixtures end, then the session itself."""
@@ -132,7 +138,11 @@ class RankSession:
                 items = self._collect_module(Path(module_path))
             self._items.update((item.nodeid, item) for item in items)
             # The module and what it imported live as long as the rank: keep them out of the
-            # collections that the cleanup after each test runs.
+            # collections that the cleanup after each test runs (but not the last failure's
+            # traceback, whose frames hold a test's tensors).
+            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                if hasattr(sys, name):
+                    delattr(sys, name)
             gc.collect()
             gc.freeze()
         return self._items.get(nodeid)

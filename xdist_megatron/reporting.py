@@ -15,7 +15,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from .protocol import DIED, FAILED, RankResult
+from .protocol import DIED, FAILED, WAITED, RankResult
 
 PHASES = ("setup", "call", "teardown")
 
@@ -53,7 +53,7 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
     # was still running when the others stopped is the effect.
     order = {r.rank: 0 if r.lost == DIED else 2 if r.lost else 1 for r in results}
     for result in results:
-        if result.outcome == FAILED:
+        if result.outcome == FAILED and result.lost != WAITED:
             _add_rank_failure(item, result, per_rank[result.rank])
     for result in results:
         _add_output(result, per_rank[result.rank])

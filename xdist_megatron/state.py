@@ -110,6 +110,14 @@ def cleanup_after_job(
 GROUP_LIMIT = 128
 
 
+def groups_made() -> int:
+    """How many process groups this process has created: the same count on every rank (new_group
+    is called by every rank of the default group, members or not), so a decision on it is too."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.distributed_c10d._world.group_count
+
+
 def release(groups: list[object], megatron: bool) -> None:
     """A fixture scope ended: drop the groups (the list is emptied: the groups' last references
     go to the reaper) and library state its fixture created."""
@@ -119,8 +127,8 @@ def release(groups: list[object], megatron: bool) -> None:
     alive = {id(group) for group in process_groups()}
     doomed = [group for group in groups if id(group) in alive]
     groups.clear()
-    if doomed and dist.is_initialized():
-        _destroy(doomed)
+    if dist.is_available() and dist.is_initialized():
+        _destroy(doomed)  # collective even where this rank is in none of the groups
 
 
 def process_groups() -> list[object]:
@@ -331,16 +339,16 @@ def _restore_environ(saved: dict[str, str]) -> None:
 def _destroy_process_groups(keep: Iterable[object]) -> bool:
     """Destroy every process group but the default one and those in `keep`; whether any went.
 
-    Collective: a barrier first, so that no rank destroys a group another rank still uses, then
-    creation order, which is the same on every member of a group (groups are created by every
-    rank of the default group, so every rank has the same ones to destroy).
+    Collective, so every rank of the default group calls it at the same point: a barrier first,
+    so that no rank destroys a group another rank still uses, then creation order, which is the
+    same on every member of a group.
     """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
     kept = {id(group) for group in keep}
     doomed = [group for group in process_groups() if id(group) not in kept]
-    if not doomed:
-        return False
-    _destroy(doomed)
-    return True
+    _destroy(doomed)  # also with nothing to destroy here: a peer may have groups this rank lacks
+    return bool(doomed)
 
 
 def _destroy(doomed: list[object]) -> None:
