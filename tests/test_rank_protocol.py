@@ -249,3 +249,27 @@ def test_review_edges(pytester, run_pytest, facts_dir):
     assert slow == {f["pid"] for f in facts_dir("after-slow")}, "a slow teardown retired the gang"
     setups = [f["pid"] for f in facts_dir("package-setup")]
     assert len(setups) == len(set(setups)) == 2 + 4, "a package fixture was set up twice on a rank"
+
+
+MANY_GROUPS = """
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.world_size(2)
+
+@pytest.mark.parametrize("batch", range(4))
+def test_leaves_fifty_groups(batch):
+    for _ in range(50):
+        dist.new_group([0, 1])
+
+def test_groups_stay_bounded():
+    registered = len(dist.distributed_c10d._world.pg_map) - 1
+    assert 0 < registered <= 128 + 50, registered
+"""
+
+
+def test_groups_tests_leave_are_bounded_within_a_module(pytester, run_pytest):
+    """The groups tests leave are destroyed at the module boundary, and within a module once
+    more than 128 were made, on every rank alike (the destruction is collective)."""
+    pytester.makepyfile(test_many=MANY_GROUPS)
+    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=5)
