@@ -273,3 +273,45 @@ def test_groups_tests_leave_are_bounded_within_a_module(pytester, run_pytest):
     more than 128 were made, on every rank alike (the destruction is collective)."""
     pytester.makepyfile(test_many=MANY_GROUPS)
     run_pytest("--megatron-timeout", "60").assert_outcomes(passed=5)
+
+
+REBASE_CONFTEST = """
+import os
+import pytest
+
+@pytest.fixture(scope="session")
+def session_env():
+    os.environ["XM_FROM_SESSION"] = "set by the session fixture"
+    yield
+"""
+
+REBASE_A = """
+import os
+import pytest
+
+pytestmark = pytest.mark.world_size(2)
+
+def test_leaks():
+    os.environ["XM_LEAKED"] = "left by a test"
+
+def test_asks_for_the_session_fixture(session_env):
+    pass
+"""
+
+REBASE_B = """
+import os
+import pytest
+
+@pytest.mark.world_size(2)
+def test_next_module_starts_from_the_session_fixtures_state():
+    assert os.environ.get("XM_FROM_SESSION") == "set by the session fixture"
+    assert "XM_LEAKED" not in os.environ
+"""
+
+
+def test_module_boundary_keeps_what_session_fixtures_set(pytester, run_pytest):
+    """A session fixture's environment survives the module-boundary reset; what an earlier test
+    of that module leaked does not, though the fixture was set up after it."""
+    pytester.makeconftest(REBASE_CONFTEST)
+    pytester.makepyfile(test_a=REBASE_A, test_b=REBASE_B)
+    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=3)

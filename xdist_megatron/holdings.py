@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ class Holding:
 class ScopeHoldings:
     """pytest plugin on a rank: records each wider fixture's holding while it is set up."""
 
-    def __init__(self, on_session_fixture: Callable[[], None]) -> None:
+    def __init__(self, on_session_fixture: Callable[[Any, Any], None]) -> None:
         self.live: list[Holding] = []
         self._on_session_fixture = on_session_fixture
 
@@ -54,6 +55,8 @@ class ScopeHoldings:
 
         before = {id(group) for group in state.process_groups()}
         megatron_before = state.megatron_fingerprint()
+        wide = fixturedef.scope in SESSION_SCOPES
+        settings_before = state.snapshot() if wide else None
         holding = Holding(fixturedef.argname, fixturedef.scope)
         # Registered before the fixture's own teardown, so it runs after it.
         fixturedef.addfinalizer(functools.partial(self._release, holding))
@@ -63,8 +66,8 @@ class ScopeHoldings:
             holding.groups = [g for g in state.process_groups() if id(g) not in before]
             holding.megatron = state.megatron_fingerprint() != megatron_before
             self.live.append(holding)
-            if fixturedef.scope in SESSION_SCOPES:
-                self._on_session_fixture()
+            if wide:
+                self._on_session_fixture(settings_before, state.snapshot())
 
     def _release(self, holding: Holding) -> None:
         from . import state

@@ -163,11 +163,13 @@ class InProcessRank:
     def set_startup(self, startup: Any) -> None:
         self._startup = startup
 
-    def _rebase(self) -> None:
-        """A session fixture was set up: what it did is part of the state modules start from."""
+    def _rebase(self, before: Any, after: Any) -> None:
+        """A session fixture was set up: what it changed is part of the state modules start
+        from (what earlier tests leaked is not)."""
         from . import state
 
-        self._startup = state.snapshot()
+        if self._startup is not None:
+            self._startup = state.rebase(self._startup, before, after)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """The `gang.run` of torchrun: call here, gather every rank's value."""

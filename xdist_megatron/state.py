@@ -12,6 +12,7 @@ process already initialised it: ranks are forked, and initialising CUDA costs ti
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -54,6 +55,31 @@ def snapshot() -> StartupState:
         python_rng=random.getstate(),
         numpy_rng=numpy_random.get_state() if numpy_random is not None else None,
     )
+
+
+def rebase(base: StartupState, before: StartupState, after: StartupState) -> StartupState:
+    """`base` with what changed between `before` and `after` (a session fixture's setup), so
+    that module boundaries keep what session fixtures set, and only that."""
+    settings = dict(base.settings)
+    settings.update((k, v) for k, v in after.settings.items() if before.settings.get(k) != v)
+    removed = before.environ.keys() - after.environ.keys()
+    environ = {k: v for k, v in base.environ.items() if k not in removed}
+    environ.update((k, v) for k, v in after.environ.items() if before.environ.get(k) != v)
+    changes: dict[str, Any] = {"settings": settings, "environ": environ}
+    if not torch.equal(before.torch_rng, after.torch_rng):
+        changes.update(torch_rng=after.torch_rng, cuda_rng=after.cuda_rng)
+        changes["cuda_seed"] = after.cuda_seed
+    if before.python_rng != after.python_rng:
+        changes["python_rng"] = after.python_rng
+    if _numpy_state_changed(before.numpy_rng, after.numpy_rng):
+        changes["numpy_rng"] = after.numpy_rng
+    return dataclasses.replace(base, **changes)
+
+
+def _numpy_state_changed(before: Any, after: Any) -> bool:
+    if before is None or after is None:
+        return after is not None
+    return repr(before[2:]) != repr(after[2:]) or bool((before[1] != after[1]).any())
 
 
 def restore(
