@@ -18,6 +18,7 @@ import pytest
 from . import reporting
 from .gang import GangError
 from .markers import WORLD_SIZE
+from .metadata import module_of
 from .protocol import TestJob
 from .zygote_client import ZygoteError
 
@@ -60,11 +61,10 @@ class GangDispatch:
             session=runtime.session_args(),
             capture=item.config.getoption("capture", "fd") != "no",
         )
-        module = item.nodeid.split("::")[0]
         try:
-            results = runtime.pool.run(size, module, job, self.timeout_of(item))
+            results = runtime.pool.run(size, module_of(item.nodeid), job, self.timeout_of(item))
         except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
-            return _no_gang(item, str(exc))
+            return reporting.no_gang(item, str(exc))
         for result in results:
             if result.note:
                 _say(item, f"rank {result.rank}: {result.note}")
@@ -86,18 +86,6 @@ def _end_driver_scopes(
             teardown.sections.append(("teardown of the driver's fixtures", text))
         else:
             teardown.outcome, teardown.longrepr = "failed", text
-
-
-def _no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
-    """The test failed because it had no gang to run on."""
-    return [
-        pytest.TestReport(item.nodeid, item.location, {}, outcome, longrepr, when)
-        for when, outcome, longrepr in (
-            ("setup", "passed", None),
-            ("call", "failed", why),
-            ("teardown", "passed", None),
-        )
-    ]
 
 
 def _say(item: pytest.Item, text: str) -> None:

@@ -24,8 +24,6 @@ SESSION_SCOPES = ("session", "package")
 class Holding:
     """What one wider-scoped fixture set up."""
 
-    fixture: str
-    scope: str
     groups: list[object] = field(default_factory=list)
     megatron: bool = False
 
@@ -57,7 +55,7 @@ class ScopeHoldings:
         megatron_before = state.megatron_fingerprint()
         wide = fixturedef.scope in SESSION_SCOPES
         settings_before = state.snapshot() if wide else None
-        holding = Holding(fixturedef.argname, fixturedef.scope)
+        holding = Holding()
         # Registered before the fixture's own teardown, so it runs after it.
         fixturedef.addfinalizer(functools.partial(self._release, holding))
         try:

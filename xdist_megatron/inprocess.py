@@ -16,6 +16,7 @@ import pytest
 
 from . import layouts, markers
 from .holdings import ScopeHoldings
+from .metadata import module_of
 from .protocol import RankInfo
 from .zygote import ZYGOTE_VAR
 
@@ -71,7 +72,7 @@ class InProcessRank:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         if self.applies(item) and not self.on_gang:
-            self._enter_module(item.nodeid.split("::")[0])
+            self._enter_module(module_of(item.nodeid))
         result = yield  # skip markers evaluated and fixtures set up: the test will run
         if self.applies(item):
             self._switch_layout(item)

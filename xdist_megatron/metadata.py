@@ -17,6 +17,11 @@ ITEMS_SUFFIX = ".items.json"
 PLAN_FILE = "plan.json"
 
 
+def module_of(nodeid: str) -> str:
+    """The module part of a node id: what tests of one module share, on gangs and in units."""
+    return nodeid.split("::")[0]
+
+
 @dataclass(frozen=True)
 class ItemInfo:
     """What the scheduler needs to know of one collected test."""

@@ -479,7 +479,7 @@ def _publish_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tell the controller each item's module, world size and class (xdist sends ids only)."""
     infos = {
         item.nodeid: metadata.ItemInfo(
-            item.nodeid.split("::")[0],
+            metadata.module_of(item.nodeid),
             item.stash.get(WORLD_SIZE, None),
             getattr(getattr(item, "cls", None), "__qualname__", None),
         )
@@ -630,7 +630,7 @@ class GangHandle:
         if self._runtime.inprocess is not None:
             return self._runtime.inprocess.run(fn, *args, **kwargs)
         timeout = _marker_timeout(self._item) or self._runtime.default_timeout()
-        module = self._item.nodeid.split("::")[0]  # as the dispatcher names it
+        module = metadata.module_of(self._item.nodeid)
         pool = self._runtime.pool
         with pool.devices_held(self.world_size):
             self._gang = pool.acquire(self.world_size, module, timeout)

@@ -82,7 +82,6 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     conn.send(Ready(spec.rank, os.getpid()))
     workdir = os.path.dirname(spec.stack_path)
     runner = _JobRunner(spec, startup, capture_prefix(workdir, os.getpid()), conn.send)
-    runner.keep_default_group()
     while True:
         try:
             job = conn.recv()
@@ -180,8 +179,7 @@ class _JobRunner:
         self.startup = startup
         self.send = send
         self.session: Any = None  # the rank's pytest session, built on its first test
-        self._default_group: Any = None  # the default group the gang made, or last saw
-        self._warnings: list[dict] = []
+        self._default_group = _default_group()  # the one the gang made, or the last one seen
         self._restores = 0
 
     def run(self, job: Job) -> None:
@@ -201,11 +199,6 @@ class _JobRunner:
         result.duration = time.perf_counter() - start
         self.send(result)
 
-    def keep_default_group(self) -> None:
-        import torch.distributed as dist
-
-        self._default_group = dist.distributed_c10d._world.default_pg
-
     def finish(self) -> None:
         """End of the gang: the session's fixtures and hooks end (errors go to the log)."""
         if self.session is not None:
@@ -217,7 +210,7 @@ class _JobRunner:
     def _dispatch(self, job: Job) -> RankResult:
         if isinstance(job, TestJob):
             result = self._guarded(lambda: self._run_test(job))
-            result.warnings, self._warnings = self._warnings, []
+            result.warnings = self.session.take_warnings()
             return result
         if isinstance(job, CallJob):
             return self._run_call(job)
@@ -236,23 +229,18 @@ class _JobRunner:
 
     def _run_test(self, job: TestJob) -> str:
         """The test's protocol in the rank's session, then the checks that keep the gang."""
-        try:
-            self.session.run(job.nodeid, job.module_path, job.next_nodeid)
-        finally:
-            self._warnings = self.session.take_warnings()
+        self.session.run(job.nodeid, job.module_path, job.next_nodeid)
         note = self._repair_default_group()
         _check_health()
         return note
 
     def _open_session(self, job: TestJob) -> None:
         from . import state
-        from .inprocess import PLUGIN_NAME
         from .rank_session import RankSession
 
-        session = RankSession(job.session, self.rank, self._send_report)
+        self.session = RankSession(job.session, self.rank, self._send_report)
         # Start-up is after the session's own configuration (pytest sets PYTEST_VERSION, say).
-        session.config.pluginmanager.get_plugin(PLUGIN_NAME).set_startup(state.snapshot())
-        self.session = session
+        self._in_process_rank().set_startup(state.snapshot())
 
     def _send_report(self, data: dict) -> None:
         self.send(PhaseReport(self.rank, data))
@@ -292,9 +280,9 @@ class _JobRunner:
 
         size = dist.get_world_size() if dist.is_initialized() else None
         if size == self.spec.world_size:
-            if dist.distributed_c10d._world.default_pg is not self._default_group:
+            if _default_group() is not self._default_group:
                 self._forget_rendezvous()
-                self._default_group = dist.distributed_c10d._world.default_pg
+                self._default_group = _default_group()
             return ""
         if size is not None:
             dist.destroy_process_group()
@@ -303,7 +291,7 @@ class _JobRunner:
         dist.init_process_group(
             self.spec.backend, store=store, rank=self.rank, world_size=self.spec.world_size
         )
-        self._default_group = dist.distributed_c10d._world.default_pg
+        self._default_group = _default_group()
         left = "destroyed" if size is None else f"re-created with {size} ranks"
         return f"the test left the default process group {left}; the gang restored it"
 
@@ -330,6 +318,12 @@ class _JobRunner:
         except BaseException as exc:
             return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
         return RankResult(self.rank, PASSED, value=value)
+
+
+def _default_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._world.default_pg
 
 
 def _check_health() -> None:

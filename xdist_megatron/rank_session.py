@@ -116,12 +116,7 @@ class RankSession:
         """Module boundary: end the scopes that the next test (None: unknown) does not share,
         the session's (and its package's) staying."""
         stack = list(self.session._setupstate.stack)
-        keep = [
-            node
-            for node in stack
-            if node is self.session or (next_nodeid and _is_ancestor(node.nodeid, next_nodeid))
-        ]
-        self.session._setupstate.teardown_exact(_NextOnGang(keep))
+        self.session._setupstate.teardown_exact(_NextOnGang(self._shared(stack, next_nodeid)))
 
     def finish(self) -> None:
         """End of the gang: session-scoped fixtures end, then the session itself."""
@@ -182,7 +177,7 @@ class RankSession:
         """The collector of `path` under `node` (or `node` itself when an argument named a test
         there), or None when `path` is not under it."""
         while isinstance(node, pytest.Collector) and node.path != path:
-            if path != node.path and node.path not in path.parents:
+            if node.path not in path.parents:
                 return None
             if node not in self._children:
                 report = collect_one_node(node)
@@ -199,16 +194,18 @@ class RankSession:
 
     def _next(self, item: pytest.Item, next_nodeid: str | None) -> Any:
         """The next test on this gang as pytest's teardown sees it."""
+        known = self._items.get(next_nodeid) if next_nodeid is not None else None
+        return known or _NextOnGang(self._shared(item.listchain(), next_nodeid))
+
+    def _shared(self, chain: list[Any], next_nodeid: str | None) -> list[Any]:
+        """The nodes of `chain` the test `next_nodeid` descends from too (None: the session's)."""
         if next_nodeid is None:
-            return _NextOnGang([self.session])
-        known = self._items.get(next_nodeid)
-        if known is not None:
-            return known
-        return _NextOnGang([n for n in item.listchain() if _is_ancestor(n.nodeid, next_nodeid)])
-
-
-def _is_ancestor(nodeid: str, of: str) -> bool:
-    return nodeid in ("", ".") or of.startswith((nodeid + "::", nodeid + "/"))
+            return [self.session]
+        return [
+            n
+            for n in chain
+            if n.nodeid in ("", ".") or next_nodeid.startswith((n.nodeid + "::", n.nodeid + "/"))
+        ]
 
 
 _DEVNULL = open(os.devnull, "w")  # noqa: SIM115 - the rank's terminal, for its whole life

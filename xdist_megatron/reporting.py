@@ -69,6 +69,15 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
     return merged
 
 
+def no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
+    """The reports of a test that failed because it had no gang to run on."""
+    return [
+        _report(item, "setup", "passed", None),
+        _report(item, "call", "failed", why),
+        _report(item, "teardown", "passed", None),
+    ]
+
+
 def _add_rank_failure(
     item: pytest.Item, result: RankResult, reports: dict[str, pytest.TestReport]
 ) -> None:

@@ -137,7 +137,7 @@ class MegatronScheduling:
         self.queue.sort(key=Unit.priority)
 
     def _info(self, nodeid: str) -> ItemInfo:
-        return self.infos.get(nodeid) or ItemInfo(nodeid.split("::")[0], None, None)
+        return self.infos.get(nodeid) or ItemInfo(metadata.module_of(nodeid), None, None)
 
     def _default_duration(self) -> float:
         known = sorted(self._durations.values())

@@ -384,7 +384,7 @@ def _destroy(doomed: list[object]) -> None:
     here, before the next job, as they always did."""
     gloo_only = [dist.get_backend(group) == "gloo" for group in doomed]
     dist.barrier()
-    for index in range(len(doomed)):
+    for index in range(len(doomed)):  # no loop variable: it would keep the last group alive
         dist.destroy_process_group(doomed[index])
     reapable = [group for group, gloo in zip(doomed, gloo_only, strict=True) if gloo]
     doomed.clear()  # the last references of the others: they end here
