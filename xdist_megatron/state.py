@@ -12,6 +12,7 @@ process already initialised it: ranks are forked, and initialising CUDA costs ti
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import os
@@ -378,17 +379,31 @@ def _destroy_process_groups(keep: Iterable[object]) -> bool:
 
 
 def _destroy(doomed: list[object]) -> None:
-    """Unregister the groups (collective: a barrier first). A gloo group's destructor joins its
-    threads (~18 ms) and releases the GIL meanwhile: those go to the reaper, so the next test
-    runs while they end. Other backends' groups (NCCL: shut down by destroy_process_group) end
-    here, before the next job, as they always did."""
-    gloo_only = [dist.get_backend(group) == "gloo" for group in doomed]
+    """Unregister the groups (collective: a barrier first), then let them end off the critical
+    path. An NCCL communicator that was used takes ~0.35 s to shut down (measured on H200) and
+    destroy_process_group shuts groups down one at a time; shut down on threads first (torch
+    releases the GIL there) they take a sixth of that, and the second shutdown is a no-op. The
+    destructors left (a gloo group joins its threads, ~18 ms) go to the reaper, so the next test
+    runs while they end."""
     dist.barrier()
+    _shutdown_together([group for group in doomed if "nccl" in dist.get_backend(group)])
     for index in range(len(doomed)):  # no loop variable: it would keep the last group alive
         dist.destroy_process_group(doomed[index])
-    reapable = [group for group, gloo in zip(doomed, gloo_only, strict=True) if gloo]
-    doomed.clear()  # the last references of the others: they end here
-    _REAPER.take(reapable)
+    _REAPER.take(doomed)
+
+
+def _shutdown_together(groups: list[object]) -> None:
+    """Shut the groups down on a few threads at once (ProcessGroup.shutdown is torch >= 2.6;
+    before it, destroy_process_group shuts each down alone). `groups` is emptied."""
+    shutdowns = [getattr(group, "shutdown", None) for group in groups]
+    groups.clear()
+    with concurrent.futures.ThreadPoolExecutor(SHUTDOWN_THREADS) as pool:
+        for _ in pool.map(lambda shutdown: shutdown(), filter(None, shutdowns)):
+            pass  # an exception (a shutdown that failed) is raised here, in the test that ended
+    shutdowns.clear()
+
+
+SHUTDOWN_THREADS = 16
 
 
 class _Reaper:
