@@ -303,6 +303,64 @@ def test_known_preloads_start_the_zygote_before_collection(
     unmarked_only.stdout.fnmatch_lines(["*zygotes during collection: [[][0-9]*] at test time: []"])
 
 
+ZYGOTES_OF = EARLY_SUITE.split("def zygotes_of", 1)[1].split("ZYGOTES_DURING", 1)[0]
+
+FOLLOWED_CONFTEST = f"""
+import os, time
+import torch  # the suite's first import of torch starts the zygote
+
+def zygotes_of{ZYGOTES_OF}
+if "RANK" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:  # driver, controller
+    deadline = time.monotonic() + 60
+    while not zygotes_of(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("zygotes while the conftest imported:", zygotes_of(os.getpid()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["serial", "xdist"])
+def test_the_zygote_starts_while_the_conftest_imports(pytester, run_pytest, monkeypatch, mode):
+    """Without remembered or configured preloads, the zygote starts as soon as the driver (or
+    the xdist controller) imports torch, while its conftest files still import, not after
+    collection; a session without gangs stops it, and one that never imports torch has none."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this test may run in a worker
+    pytester.makeconftest(FOLLOWED_CONFTEST)
+    pytester.makepyfile(
+        test_followed="""
+import pytest
+
+@pytest.mark.world_size(2)
+def test_on_gang(rank):
+    pass
+
+def test_local():
+    pass
+"""
+    )
+    xdist = ["-n", "2", "--dist", "megatron"] if mode == "xdist" else []
+    result = run_pytest("-s", "--megatron-timeout", "60", *xdist)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*zygotes while the conftest imported: [[][0-9]*"])
+    unmarked_only = run_pytest("-s", "-k", "local", *xdist)
+    assert unmarked_only.parseoutcomes()["passed"] == 1
+
+
+def test_a_suite_that_never_imports_torch_starts_no_zygote(pytester, run_pytest):
+    pytester.makepyfile(
+        test_plain=f"""
+import os
+import time
+
+def zygotes_of{ZYGOTES_OF}
+def test_plain():
+    time.sleep(0.3)  # longer than the import follower's poll
+    assert zygotes_of(os.getpid()) == []
+    assert "torch" not in __import__("sys").modules
+"""
+    )
+    run_pytest("-s").assert_outcomes(passed=1)
+
+
 def test_a_preload_that_fails_is_named_in_the_summary(pytester, run_pytest):
     """A configured preload that does not import leaves the zygote working (each rank imports
     what its test needs) and is named, with its error, in the run's summary."""

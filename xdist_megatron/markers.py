@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -51,16 +52,19 @@ def parametrize_sizes(metafunc: pytest.Metafunc, device_count: int) -> None:
     metafunc.parametrize(PARAM, resolved, ids=[f"ws{n}" for n in resolved])
 
 
-def item_world_size(item: pytest.Item, device_count: int, default: int | None) -> int | None:
+def item_world_size(
+    item: pytest.Item, device_count: Callable[[], int], default: int | None
+) -> int | None:
     """The gang size an item runs on: its marker's, else `default` (--megatron-world-size),
-    else None (the test runs in the driver)."""
+    else None (the test runs in the driver). `device_count` is asked only for a marker: it
+    imports torch, which an unmarked suite may never need."""
     callspec = getattr(item, "callspec", None)
     if callspec is not None and PARAM in callspec.params:
         return callspec.params[PARAM]
     marker = item.get_closest_marker(MARKER)
     if marker is None:
         return default
-    return resolve(declared_sizes(marker, item.nodeid)[0], device_count)
+    return resolve(declared_sizes(marker, item.nodeid)[0], device_count())
 
 
 def default_world_size(value: str | None) -> int | None:

@@ -45,6 +45,7 @@ from .gang import (
     default_backend,
     detect_devices,
 )
+from .import_follower import ImportFollower
 from .inprocess import InProcessRank
 from .layouts import LAYOUT
 from .locks import DeviceLocks
@@ -61,6 +62,8 @@ RUNTIME = pytest.StashKey["Runtime"]()
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
 TIMEOUT = pytest.StashKey[float]()
 ITEMS = pytest.StashKey[list]()
+FOLLOWER = pytest.StashKey[ImportFollower]()
+XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's config is made
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -104,8 +107,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("megatron_world_size", "default of --megatron-world-size", default="")
     parser.addini(
         "megatron_preload",
-        "modules the zygote imports once for every rank (default: torch, torch.distributed and "
-        "the third-party packages the collected test modules imported)",
+        "modules the zygote imports once for every rank, at its start (default: torch, "
+        "torch.distributed and the third-party packages the driver imports, as it imports them)",
         type="linelist",
     )
     parser.addini(
@@ -113,6 +116,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "session: one gang per world size for the session, reset at module boundaries; "
         "module: a fresh gang for every module",
         default=SESSION_SCOPE,
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Start the zygote's imports beside the driver's own, before the conftest files import the
+    suite's packages (see import_follower)."""
+    follower = _follow_imports(early_config)
+    if follower is not None:
+        early_config.stash[FOLLOWER] = follower
+
+
+def _follow_imports(config: pytest.Config) -> ImportFollower | None:
+    """A follower for the serial driver, or the xdist controller's shared zygote; none in ranks,
+    xdist workers (they join the controller's), other xdist modes and --collect-only."""
+    known = config.known_args_namespace
+    if inprocess.on_gang_rank() or inprocess.under_torchrun() or XDIST_WORKER_VAR in os.environ:
+        return None
+    controller = bool(getattr(known, "numprocesses", None) or getattr(known, "tx", None))
+    if known.collectonly or (controller and getattr(known, "dist", None) != dist_mode.DIST_MODE):
+        return None
+    session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
+    log = os.path.join(session_dir, HOST_ZYGOTE_LOG) if known.capture != "no" else None
+    address = f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}" if controller else None
+    devices = known.megatron_devices
+    # Without importing torch (it is being imported now): GPUs are likely if the driver is there.
+    cuda = not (devices or "").startswith("cpu") and os.path.exists("/dev/nvidiactl")
+
+    def start(modules: list[str]) -> ZygoteClient:
+        with open(log, "ab") if log else contextlib.nullcontext() as output:
+            preload = list(dict.fromkeys([*BASE_PRELOAD, *modules]))
+            return ZygoteClient(preload, output, address=address, cuda=cuda)
+
+    rootdir = str(config.rootpath)
+    return ImportFollower(
+        start,
+        lambda name: _preloadable(name, rootdir),
+        config.getini("megatron_preload"),
+        session_dir,
     )
 
 
@@ -174,7 +216,10 @@ class Runtime:
         )
         self.xdist: dict | None = getattr(config, "workerinput", {}).get(INPUT_KEY)
         self.worker = self.xdist["worker"] if self.xdist else 0
+        self._follower = config.stash.get(FOLLOWER, None)
         self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
+        if self._follower is not None:
+            self._session_dir = self._follower.session_dir
         scope = config.getini("megatron_gang_scope")
         if scope not in (SESSION_SCOPE, MODULE_SCOPE):
             raise pytest.UsageError(f"megatron_gang_scope must be session or module, got {scope!r}")
@@ -289,7 +334,10 @@ class Runtime:
 
     def host_zygote(self) -> str:
         """In the xdist controller: the address of the zygote every worker shares, started on
-        first use with the configured preloads (each worker adds the ones it detected)."""
+        first use with the configured preloads (each worker adds the ones it detected), unless
+        it started while the controller imported the suite's conftest files."""
+        if self._host_zygote is None:
+            self._host_zygote = self.early_zygote()
         if self._host_zygote is None:
             quiet = self.config.getoption("capture") != "no"
             log = os.path.join(self.session_dir, HOST_ZYGOTE_LOG)
@@ -301,6 +349,18 @@ class Runtime:
                     cuda=self.devices.is_cuda,
                 )
         return self._host_zygote.address
+
+    def early_zygote(self) -> ZygoteClient | None:
+        """The zygote the import follower started (once: the follower stops here), if it can
+        serve this session's devices."""
+        follower, self._follower = self._follower, None
+        zygote = follower.finish() if follower is not None else None
+        if follower is not None and follower.error is not None:
+            self.notes.append(f"following the imports to start the zygote early: {follower.error}")
+        if zygote is not None and self.devices.is_cuda and not zygote.cuda:
+            zygote.close()  # it did not guard its preloads for CUDA: forks could not use GPUs
+            return None
+        return zygote
 
     def home_device_held(self) -> contextlib.AbstractContextManager:
         """Under xdist, an unmarked test holds its worker's home device like a gang would."""
@@ -340,7 +400,8 @@ class Runtime:
         return seconds or math.inf
 
     def preload(self) -> list[str]:
-        """megatron_preload, or the third-party modules the collected test modules imported."""
+        """megatron_preload, or the third-party modules the collected test modules imported (what
+        the import follower sent besides is not asked again)."""
         configured = self.config.getini("megatron_preload")
         if configured:
             return list(dict.fromkeys([*BASE_PRELOAD, *configured]))
@@ -361,11 +422,24 @@ class Runtime:
         if self.worker == 0:
             preload_cache.save(self.config, [m for m in self.preload() if m not in BASE_PRELOAD])
 
+    @property
+    def following_imports(self) -> bool:
+        return self._follower is not None
+
+    def follow_too(self, modules: list[str]) -> None:
+        """Preloads the import follower should send as well (remembered from the last session)."""
+        if self._follower is not None and modules:
+            self._follower.want(modules)
+
     def stop_early_zygote(self) -> None:
         if self._pool is not None:
             self._pool.stop_zygote()
 
     def close(self) -> None:
+        follower, self._follower = self._follower, None
+        early = follower.finish() if follower is not None else None
+        if early is not None:
+            early.close()
         if self._pool is not None:
             self.notes += self._pool.notes
             self._pool.close()
@@ -396,10 +470,13 @@ def _third_party_imports(items: list[pytest.Item], rootdir: str) -> list[str]:
 
 def _preloadable(module_name: str, rootdir: str) -> set[str]:
     """The module if it is third-party code; for a namespace package (`import megatron.core`
-    binds `megatron`, which has no file), its imported third-party children."""
+    binds `megatron`, which has no file), its imported third-party children. Not a script run
+    as `__main__`, nor a module registered under another name than its own."""
     if module_name.partition(".")[0] in NOT_PRELOADED:
         return set()
     module = sys.modules.get(module_name)
+    if getattr(module, "__name__", None) != module_name or module_name.startswith("__"):
+        return set()
     if getattr(module, "__file__", None):
         return {module_name} if _is_third_party(module, rootdir) else set()
     depth = module_name.count(".") + 1
@@ -455,7 +532,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runtime = config.stash[RUNTIME]
     config.stash[ITEMS] = items
     for item in items:
-        size = markers.item_world_size(item, runtime.device_count, runtime.default_size)
+        size = markers.item_world_size(item, lambda: runtime.device_count, runtime.default_size)
         if size is None:
             continue
         item.stash[WORLD_SIZE] = size
@@ -497,6 +574,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     controller = not hasattr(config, "workerinput") and config.getoption("tx", None)
     if controller or config.option.collectonly or runtime.inprocess is not None:
         return
+    if runtime.following_imports:
+        runtime.follow_too(preload_cache.load(config) or [])
+        return
     preload = runtime.early_preload()
     if preload is not None:
         runtime.pool.start_early(preload)
@@ -507,10 +587,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     runtime = session.config.stash[RUNTIME]
     if session.config.option.collectonly or runtime.inprocess is not None:
         return
+    early = runtime.early_zygote()
     if any(WORLD_SIZE in item.stash for item in session.items):
+        if early is not None:
+            runtime.pool.adopt(early, os.path.join(runtime.session_dir, HOST_ZYGOTE_LOG))
         runtime.pool.prestart()
         runtime.remember_preload()
     else:
+        if early is not None:
+            early.close()
         runtime.stop_early_zygote()
 
 

@@ -52,12 +52,15 @@ class GangPool:
         self._host_zygote_log = host_zygote_log
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self._log: IO[bytes] | None = None
+        self._adopted_log: str | None = None
 
     @property
     def zygote_log(self) -> str:
         """Where the ranks' output outside their tests goes (the shared zygote's, if used)."""
         if self._zygote is not None and self._zygote.process is None and self._host_zygote_log:
             return self._host_zygote_log
+        if self._adopted_log is not None:
+            return self._adopted_log
         return os.path.join(self._workdir, "zygote.log")
 
     def block(self, size: int) -> tuple[int, ...]:
@@ -155,6 +158,15 @@ class GangPool:
         if self._zygote is None:
             self._zygote = self._spawn(preload)
             self._started_early = True
+
+    def adopt(self, zygote: ZygoteClient, log: str) -> None:
+        """Take over a zygote started before collection (logging to `log`); `prestart` adds
+        what collection found."""
+        if self._zygote is None:
+            self._zygote, self._adopted_log = zygote, log
+            self._started_early = True
+        else:
+            zygote.close()
 
     def prestart(self) -> None:
         """Start the zygote now, so its imports overlap with whatever runs before the first gang;

@@ -37,6 +37,7 @@ class ZygoteClient:
     ) -> None:
         """Start a zygote; with `address`, it also accepts `connect` from other drivers. `cuda`:
         whether its ranks will use CUDA (only then may a preload not touch the CUDA driver)."""
+        self.cuda = cuda
         ours, theirs = socket.socketpair()
         options = {"preload": preload, "standby": standby, "address": address, "cuda": cuda}
         command = [

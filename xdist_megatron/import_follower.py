@@ -1,0 +1,109 @@
+"""Starts the zygote while the driver is still importing the suite (its conftest files, then its
+test modules), and has it import the same third-party packages as the driver imports them.
+
+Without it the zygote's imports begin after collection, and the first gang waits for all of
+them: torch and megatron.core take ~15 s on an H200 host, as long as the driver took to import
+them. The zygote starts when the driver imports torch (a suite that never does needs no gangs)
+and follows with each installed package the driver has imported since, polled a few times a
+second; the package list collection found is added afterwards, as before.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Callable
+
+from .zygote_client import ZygoteClient
+
+POLL_SECONDS = 0.05
+TRIGGER = "torch"
+
+
+class ImportFollower:
+    """A thread that starts a zygote once `TRIGGER` is imported here and sends it the
+    preloadable packages imported since; `finish` stops it and hands the zygote over."""
+
+    def __init__(
+        self,
+        start: Callable[[list[str]], ZygoteClient],
+        preloadable: Callable[[str], set[str]],
+        configured: list[str],
+        session_dir: str,
+    ) -> None:
+        """`start(modules)` spawns the zygote; `preloadable(name)` says which modules a
+        top-level name stands for (see the plugin's `_preloadable`); `configured` preloads
+        start the zygote at once. `session_dir` holds its log; the session takes it over."""
+        self._start = start
+        self._preloadable = preloadable
+        self._wanted: queue.SimpleQueue[str] = queue.SimpleQueue()
+        for name in configured:
+            self._wanted.put(name)
+        self.session_dir = session_dir
+        self._sent: set[str] = set()
+        self._seen: set[str] = set()  # the names in sys.modules looked at
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._follow, name="xdist-megatron-imports", daemon=True
+        )  # daemon: a session that ends before it is configured must still exit; the zygote
+        # ends with this process (its connection closes)
+        self.zygote: ZygoteClient | None = None
+        self.error: BaseException | None = None
+        if configured:
+            self._send_new()  # configured preloads: the zygote starts now, not at the first poll
+        self._thread.start()
+
+    def want(self, modules: list[str]) -> None:
+        """Preloads known to be needed (remembered from the last session): sent with the next
+        poll, starting the zygote if it has not started."""
+        for name in modules:
+            self._wanted.put(name)
+        self._send_new()  # now: the caller may expect the zygote to be starting already
+
+    def finish(self) -> ZygoteClient | None:
+        """Stop following (once collection is done) and return the zygote, if one started."""
+        self._stop.set()
+        self._thread.join()
+        return self.zygote
+
+    def _follow(self) -> None:
+        try:
+            while True:
+                self._send_new()
+                if self._stop.wait(POLL_SECONDS):
+                    self._send_new()  # what the last poll missed
+                    return
+        except BaseException as exc:  # noqa: BLE001 - the main thread decides after finish()
+            self.error = exc
+
+    def _send_new(self) -> None:
+        with self._lock:  # the polling thread and `want`
+            self._send_new_locked()
+
+    def _send_new_locked(self) -> None:
+        if self.zygote is None and self._wanted.empty() and TRIGGER not in sys.modules:
+            return
+        found: list[str] = []
+        while not self._wanted.empty():
+            found.append(self._wanted.get())
+        fresh = [name for name in list(sys.modules) if name not in self._seen]
+        self._seen.update(fresh)
+        for name in fresh:
+            top, _, rest = name.partition(".")
+            if not rest or ("." not in rest and _is_namespace(sys.modules.get(top))):
+                found += sorted(self._preloadable(name))
+        new = [name for name in dict.fromkeys(found) if name not in self._sent]
+        self._sent.update(new)
+        if self.zygote is None:
+            self.zygote = self._start(new)
+        elif new:
+            self.zygote.add_preload(new)
+
+
+def _is_namespace(module: object) -> bool:
+    """A namespace package (`megatron`): its children are the packages to preload."""
+    return (
+        module is not None and hasattr(module, "__path__") and not getattr(module, "__file__", None)
+    )
