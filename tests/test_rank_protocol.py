@@ -315,3 +315,42 @@ def test_module_boundary_keeps_what_session_fixtures_set(pytester, run_pytest):
     pytester.makeconftest(REBASE_CONFTEST)
     pytester.makepyfile(test_a=REBASE_A, test_b=REBASE_B)
     run_pytest("--megatron-timeout", "60").assert_outcomes(passed=3)
+
+
+SELECTED_SUITE = """
+import pytest
+
+@pytest.mark.world_size(2)
+def test_alpha(rank):
+    pass
+
+@pytest.mark.world_size(2)
+@pytest.mark.slow
+def test_beta(rank):
+    pass
+
+@pytest.mark.world_size(2)
+def test_gamma(rank):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("selection", "selected"),
+    [
+        (("-k", "test_alpha"), 1),
+        (("-k", "alpha or gamma"), 2),
+        (("-m", "slow"), 1),
+        (("--deselect", "test_selected.py::test_beta"), 2),
+    ],
+    ids=["k-name", "k-expression", "m", "deselect"],
+)
+def test_the_drivers_selection_is_not_made_again_on_ranks(
+    pytester, run_pytest, selection, selected
+):
+    """-k, -m and --deselect choose tests in the driver; a rank runs what it is sent (a rank
+    that applied `-k test_alpha` to its own collection did not find test_alpha)."""
+    pytester.makepyfile(test_selected=SELECTED_SUITE)
+    pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n")
+    result = run_pytest("--megatron-timeout", "60", *selection)
+    result.assert_outcomes(passed=selected, deselected=3 - selected)

@@ -27,7 +27,7 @@ from .protocol import SessionArgs
 
 # Options that make sense once per run, in the driver: a rank must not distribute, write the
 # driver's junit or report files, stop the session, debug on a terminal, or read the cache to
-# reorder and deselect (the driver already chose the tests).
+# reorder and deselect, nor select again by -k, -m or --deselect (the driver chose the tests).
 _DRIVER_ONLY_OPTIONS: dict[str, Any] = {
     "numprocesses": None,
     "maxprocesses": None,
@@ -48,6 +48,9 @@ _DRIVER_ONLY_OPTIONS: dict[str, Any] = {
     "stepwise_skip": False,
     "cacheclear": False,
     "collectonly": False,
+    "keyword": "",
+    "markexpr": "",
+    "deselect": [],
 }
 
 
