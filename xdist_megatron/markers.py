@@ -22,10 +22,22 @@ class MarkerError(ValueError):
 
 
 def declared_sizes(marker: Any, test_name: str) -> list[int | str]:
-    """The sizes a marker asks for, validated: positive ints or "all"."""
+    """The sizes a marker asks for, validated: positive ints or "all", each once."""
     sizes = list(marker.args)
+    if marker.kwargs:
+        given = ", ".join(f"{k}={v!r}" for k, v in marker.kwargs.items())
+        raise MarkerError(
+            f"{test_name}: @pytest.mark.world_size takes sizes as positional arguments, "
+            f"e.g. world_size(2) or world_size(1, 2), not world_size({given})"
+        )
     if not sizes:
         raise MarkerError(f"{test_name}: @pytest.mark.world_size needs at least one size")
+    repeated = sorted({repr(size) for size in sizes if sizes.count(size) > 1})
+    if repeated:
+        raise MarkerError(
+            f"{test_name}: @pytest.mark.world_size repeats {', '.join(repeated)}: "
+            "each size makes one test"
+        )
     for size in sizes:
         valid = size == ALL or (type(size) is int and size > 0)
         if not valid:
@@ -35,21 +47,19 @@ def declared_sizes(marker: Any, test_name: str) -> list[int | str]:
     return sizes
 
 
-def resolve(size: int | str, device_count: int) -> int:
-    return device_count if size == ALL else int(size)
+def resolve(size: int | str, device_count: Callable[[], int]) -> int:
+    return device_count() if size == ALL else int(size)
 
 
-def parametrize_sizes(metafunc: pytest.Metafunc, device_count: int) -> None:
-    """Several sizes: make one item per size with the ids ws1, ws2, ..."""
+def parametrize_sizes(metafunc: pytest.Metafunc, device_count: Callable[[], int]) -> list[int]:
+    """The test's sizes, resolved; several make one item per size with the ids ws1, ws2..."""
     marker = metafunc.definition.get_closest_marker(MARKER)
-    if marker is None:
-        return
     sizes = declared_sizes(marker, metafunc.definition.nodeid)
-    if len(sizes) < 2:
-        return
     resolved = list(dict.fromkeys(resolve(s, device_count) for s in sizes))
-    metafunc.fixturenames.append(PARAM)
-    metafunc.parametrize(PARAM, resolved, ids=[f"ws{n}" for n in resolved])
+    if len(sizes) > 1:
+        metafunc.fixturenames.append(PARAM)
+        metafunc.parametrize(PARAM, resolved, ids=[f"ws{n}" for n in resolved])
+    return resolved
 
 
 def item_world_size(
@@ -64,7 +74,7 @@ def item_world_size(
     marker = item.get_closest_marker(MARKER)
     if marker is None:
         return default
-    return resolve(declared_sizes(marker, item.nodeid)[0], device_count())
+    return resolve(declared_sizes(marker, item.nodeid)[0], device_count)
 
 
 def default_world_size(value: str | None) -> int | None:

@@ -166,6 +166,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     runtime = config.stash[RUNTIME] = Runtime(config)
     runtime.default_timeout()  # a bad value is a usage error now, not a failure per test
+    if config.getoption("megatron_devices") is not None and runtime.inprocess is None:
+        runtime.devices  # noqa: B018 - likewise: a bad spec fails the run here, in every mode
     if runtime.inprocess is not None:
         config.pluginmanager.register(runtime.inprocess, inprocess.PLUGIN_NAME)
     else:
@@ -515,14 +517,31 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.definition.get_closest_marker(markers.MARKER) is None:
+    """Check the test's markers (a mistake is a collection error naming the test, before any
+    gang starts) and make one item per world size."""
+    definition = metafunc.definition
+    size_marker = definition.get_closest_marker(markers.MARKER)
+    layout_marker = definition.get_closest_marker(layouts.MARKER)
+    if size_marker is None and layout_marker is None:
         return
     runtime = metafunc.config.stash[RUNTIME]
+    name = definition.nodeid
     try:
-        markers.parametrize_sizes(metafunc, runtime.device_count)
-        layout_marker = metafunc.definition.get_closest_marker(layouts.MARKER)
+        for marker in definition.iter_markers(markers.MARKER):  # a class's, under the method's
+            markers.declared_sizes(marker, name)
+        if size_marker is not None:
+            sizes = markers.parametrize_sizes(metafunc, lambda: runtime.device_count)
+        elif runtime.default_size is not None:
+            sizes = [runtime.default_size]
+        else:
+            raise layouts.LayoutError(
+                f"{name}: @pytest.mark.megatron needs a world size: add "
+                "@pytest.mark.world_size(N), or give the run --megatron-world-size N"
+            )
         if layout_marker is not None:
-            layouts.layout_of(layout_marker, metafunc.definition.nodeid)
+            layout = layouts.layout_of(layout_marker, name)
+            for size in sizes:
+                layouts.check_fits(layout, size, name)
     except (markers.MarkerError, layouts.LayoutError) as exc:
         raise pytest.Collector.CollectError(str(exc)) from None
 
