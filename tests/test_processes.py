@@ -379,3 +379,26 @@ def test_runs(rank):
     result.stdout.fnmatch_lines(
         ["*xdist-megatron*", "megatron_preload: no_such_module_here: ModuleNotFoundError*"]
     )
+
+
+def test_a_preload_error_that_mentions_cuda_does_not_stop_the_zygote(tmp_path, monkeypatch, tag):
+    """Only a typed signal (a preload that touched the CUDA driver) makes the zygote refuse
+    forks; an import error whose text says "CUDA" is an ordinary failure (the zygote used to
+    look for that word, and exit, killing every driver's ranks)."""
+    from xdist_megatron.gang import Gang
+    from xdist_megatron.placement import parse_devices
+    from xdist_megatron.zygote_client import ZygoteClient
+
+    (tmp_path / "needs_a_gpu.py").write_text('raise ImportError("no CUDA driver on this host")\n')
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
+    zygote = ZygoteClient(["torch", "needs_a_gpu"], None, cuda=True)
+    try:
+        assert "CUDA" in zygote.preload_failures["needs_a_gpu"]
+        assert zygote.breaks_cuda == []
+        devices = parse_devices("cpu:2", 0, os.cpu_count() or 1, None)
+        with Gang(2, devices, (0, 1), "gloo", zygote=zygote) as gang:
+            assert gang.run(os.getpid) != []
+        assert zygote.alive
+    finally:
+        zygote.close()
+    assert_no_processes_left(tag)

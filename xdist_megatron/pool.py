@@ -13,7 +13,7 @@ from . import placement
 from .gang import Gang, GangError
 from .locks import DeviceLocks
 from .protocol import FAILED, Job, RankResult, ResetJob
-from .zygote_client import ZygoteClient, describe_exit
+from .zygote_client import ForkRefused, ZygoteClient, describe_exit
 
 RESET_TIMEOUT = 120.0
 SESSION_SCOPE, MODULE_SCOPE = "session", "module"
@@ -130,19 +130,25 @@ class GangPool:
 
     def _start(self, size: int) -> Gang:
         block = self.block(size)
-        gang = Gang(
-            size,
-            self.devices,
-            block,
-            self.backend,
-            zygote=self._live_zygote(),
-            workdir=self._workdir,
-        )
-        self._gangs[size] = gang
-        try:
-            return gang.start()
-        except GangError as exc:
-            raise GangError(f"{exc}\n{self._log_tail()}") from None
+        for attempt in (1, 2):
+            gang = Gang(
+                size,
+                self.devices,
+                block,
+                self.backend,
+                zygote=self._live_zygote(),
+                workdir=self._workdir,
+            )
+            self._gangs[size] = gang
+            try:
+                return gang.start()
+            except ForkRefused as exc:  # another worker's preload spoilt the shared zygote
+                self._gangs.pop(size)
+                if attempt == 2:
+                    raise GangError(str(exc)) from None
+            except GangError as exc:
+                raise GangError(f"{exc}\n{self._log_tail()}") from None
+        raise AssertionError("unreachable")
 
     def _log_tail(self, lines: int = 30) -> str:
         try:
@@ -212,7 +218,7 @@ class GangPool:
                 self.notes += [
                     f"megatron_preload: {m}: {why}" for m, why in failures.items() if m in wanted
                 ]
-            poisoned = [m for m, why in failures.items() if "CUDA" in why]
+            poisoned = zygote.breaks_cuda
             if not poisoned:
                 return zygote
             zygote.close()

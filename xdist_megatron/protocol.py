@@ -129,3 +129,58 @@ class Ready:
 
     rank: int
     pid: int
+
+
+# --- driver <-> zygote (pickled over the driver's zygote connection) -----------------------------
+
+
+@dataclass(frozen=True)
+class ForkRanks:
+    """Fork one rank per spec; the ranks' socket ends follow on the socket (SCM_RIGHTS)."""
+
+    specs: list[RankSpec]
+
+
+@dataclass(frozen=True)
+class SignalRanks:
+    """Signal ranks of this driver's that are still the zygote's children."""
+
+    pids: list[int]
+    signum: int
+
+
+@dataclass(frozen=True)
+class Preload:
+    """Import these too (what is imported already is skipped); keep `standby` ranks forked."""
+
+    modules: list[str]
+    standby: int
+
+
+@dataclass(frozen=True)
+class Leave:
+    """The driver is done: its ranks are killed; when the zygote's owner leaves, it exits."""
+
+
+@dataclass(frozen=True)
+class Preloaded:
+    """A preload is done: modules that failed to import ({name: why}), and those that touched
+    the CUDA driver (after which no fork of this zygote could use a GPU)."""
+
+    failures: dict[str, str]
+    breaks_cuda: list[str]
+    pid: int
+
+
+@dataclass(frozen=True)
+class Forked:
+    """The ranks' pids; none when an earlier preload touched CUDA (those modules, then)."""
+
+    pids: list[int]
+    breaks_cuda: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RankExited:
+    pid: int
+    code: int  # negative: killed by that signal

@@ -29,6 +29,8 @@ import warnings
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .protocol import Forked, ForkRanks, Leave, Preload, Preloaded, RankExited, SignalRanks
+
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"  # the zygote's pid, in it and in its ranks
 WARM_POOL = "TORCH_WARM_POOL"
@@ -52,9 +54,9 @@ BASE_PRELOAD = (
 )
 
 
-def preload(modules: list[str], cuda: bool) -> dict[str, str]:
-    """Import each module; return {name: error} for those that failed or, where the ranks will
-    use CUDA, made forking unsafe for it."""
+def preload(modules: list[str], cuda: bool) -> tuple[dict[str, str], list[str]]:
+    """Import each module; return ({name: error} for those that failed, [the module that, where
+    the ranks will use CUDA, made forking unsafe for it]); the imports stop at such a module."""
     failures: dict[str, str] = {}
     for name in modules:
         try:
@@ -64,8 +66,8 @@ def preload(modules: list[str], cuda: bool) -> dict[str, str]:
             continue
         if cuda and not _fork_keeps_cuda_usable():
             failures[name] = "initialised CUDA at import; forked ranks could not use the GPU"
-            break
-    return failures
+            return failures, [name]
+    return failures, []
 
 
 def _fork_keeps_cuda_usable() -> bool:
@@ -91,7 +93,7 @@ class Client:
         self.conn = Connection(os.dup(sock.fileno()))
         self.children: set[int] = set()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: object) -> None:
         try:
             self.conn.send(message)
         except OSError:  # the driver is gone; its EOF is handled in the request loop
@@ -113,6 +115,7 @@ class Zygote:
         self, fd: int, standby_target: int, listener: socket.socket | None, cuda: bool
     ) -> None:
         self.cuda = cuda  # whether the ranks will use CUDA, so forks must keep it usable
+        self.breaks_cuda: list[str] = []  # preloads after which no fork could use a GPU
         self.owner = Client(socket.socket(fileno=fd))
         self.clients = [self.owner]
         self.listener = listener
@@ -129,7 +132,7 @@ class Zygote:
 
     def serve(self) -> None:
         while True:
-            idle_work = len(self.standby) < self.standby_target
+            idle_work = len(self.standby) < self.standby_target and not self.breaks_cuda
             sources: list[Any] = [c.conn for c in self.clients] + [self.wake_r]
             if self.listener is not None:
                 sources.append(self.listener)
@@ -150,25 +153,23 @@ class Zygote:
         try:
             request = client.conn.recv()
         except (EOFError, OSError):
-            request = ("exit",)
-        kind = request[0]
-        if kind == "fork":
-            client.send(("forked", self._fork(client, request[1])))
-        elif kind == "signal":
-            _, pids, signum = request
-            for pid in pids:
+            request = Leave()
+        if isinstance(request, ForkRanks):
+            client.send(self._fork(client, request.specs))
+        elif isinstance(request, SignalRanks):
+            for pid in request.pids:
                 if pid in client.children:
-                    os.kill(pid, signum)
-        elif kind == "preload":
-            _, modules, standby = request
-            self.standby_target = max(self.standby_target, standby)
-            failures = preload([m for m in modules if m not in sys.modules], self.cuda)
+                    os.kill(pid, request.signum)
+        elif isinstance(request, Preload):
+            self.standby_target = max(self.standby_target, request.standby)
+            modules = [m for m in request.modules if m not in sys.modules]
+            failures, breaks_cuda = preload(modules, self.cuda)
             gc.freeze()
-            client.send(("ready", failures, os.getpid()))
-            if any("CUDA" in reason for reason in failures.values()):
-                self._kill(self.children)
-                return False  # no fork of this zygote could use the GPU now
-        elif kind == "exit":
+            if breaks_cuda:  # ranks running now are unharmed; no later fork is made
+                self.breaks_cuda += breaks_cuda
+                self._kill({pid for pid, _ in self.standby})
+            client.send(Preloaded(failures, breaks_cuda, os.getpid()))
+        elif isinstance(request, Leave):
             if client is self.owner:
                 self._kill(self.children)
                 return False
@@ -180,8 +181,12 @@ class Zygote:
         self.clients.remove(client)
         client.close()
 
-    def _fork(self, client: Client, specs: list) -> list[int]:
+    def _fork(self, client: Client, specs: list) -> Forked:
         _, fds, _, _ = socket.recv_fds(client.sock, 1, len(specs))
+        if self.breaks_cuda:
+            for fd in fds:
+                os.close(fd)
+            return Forked([], self.breaks_cuda)
         self.standby_target = max(self.standby_target, len(specs))
         pids = []
         for spec, fd in zip(specs, fds, strict=True):
@@ -198,7 +203,7 @@ class Zygote:
             client.children.add(pid)
             self.owner_of[pid] = client
             pids.append(pid)
-        return pids
+        return Forked(pids)
 
     def _add_standby(self) -> None:
         ours, theirs = socket.socketpair()
@@ -253,7 +258,7 @@ class Zygote:
             client = self.owner_of.pop(pid, None)
             if client is not None:
                 client.children.discard(pid)
-                client.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+                client.send(RankExited(pid, os.waitstatus_to_exitcode(status)))
 
     def _kill(self, pids: set[int]) -> None:
         """SIGKILL these children and reap them (their drivers learn of each exit)."""
@@ -305,15 +310,15 @@ def main(argv: list[str]) -> int:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # queue while we import
         listener.bind("\0" + address)
         listener.listen(128)
-    failures = preload(modules, options["cuda"])
+    failures, breaks_cuda = preload(modules, options["cuda"])
     # Everything imported so far lives as long as every rank: keep it out of every later
     # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
     gc.collect()
     gc.freeze()
     zygote = Zygote(fd, options["standby"], listener, options["cuda"])
-    zygote.owner.send(("ready", failures, os.getpid()))
-    if any("CUDA" in reason for reason in failures.values()):
-        return 1
+    zygote.owner.send(Preloaded(failures, breaks_cuda, os.getpid()))
+    if breaks_cuda:
+        return 1  # no rank forked yet: its owner starts another without these
     zygote.serve()
     return 0
 

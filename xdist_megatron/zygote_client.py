@@ -10,17 +10,21 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
-from typing import IO
+from typing import IO, Any
 
 import xdist_megatron
 
-from .protocol import RankSpec
+from .protocol import ForkRanks, Leave, Preload, RankExited, RankSpec, SignalRanks
 
 ZYGOTE_START_TIMEOUT = 600.0  # importing megatron + TE cold can take minutes on a loaded CI host
 
 
 class ZygoteError(RuntimeError):
     """The zygote could not be started or stopped answering."""
+
+
+class ForkRefused(ZygoteError):
+    """The zygote (a shared one) imported a module that touched CUDA: it forks no more ranks."""
 
 
 class ZygoteClient:
@@ -73,7 +77,7 @@ class ZygoteClient:
         """Have the zygote import these as well (it skips what it has), and keep `standby`
         ranks forked ahead of need; `preload_failures` waits for them too."""
         self.preload = list(dict.fromkeys([*self.preload, *modules]))
-        self.conn.send(("preload", modules, standby))
+        self.conn.send(Preload(modules, standby))
         self._awaited += 1
 
     def _attach(
@@ -89,17 +93,20 @@ class ZygoteClient:
         self._sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.process = process  # None: a shared zygote, which another process owns
-        self.pid = process.pid if process else None  # a shared one's comes with its "ready"
+        self.pid = process.pid if process else None  # a shared one's comes with Preloaded
         self._lost = False
         self._failures: dict[str, str] = {}
-        self._awaited = 1 if process else 0  # "ready" replies still to come: start, preloads
+        self.breaks_cuda: list[str] = []  # preloads that touched CUDA: its forks are unusable
+        self._awaited = 1 if process else 0  # Preloaded replies still to come: start, preloads
 
     @property
     def preload_failures(self) -> dict[str, str]:
         """{module: why} for preloads that failed; waits until the zygote has finished them."""
         while self._awaited:
-            _, failures, self.pid = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
-            self._failures.update(failures)
+            ready = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
+            self._failures.update(ready.failures)
+            self.breaks_cuda += ready.breaks_cuda
+            self.pid = ready.pid
             self._awaited -= 1
         return self._failures
 
@@ -112,17 +119,21 @@ class ZygoteClient:
     def fork(self, specs: list[RankSpec], fds: list[int]) -> list[int]:
         """Fork one rank per spec; `fds` are the ranks' ends of their socket pairs."""
         self.preload_failures  # noqa: B018 - the zygote must be ready first
-        self.conn.send(("fork", specs))
+        self.conn.send(ForkRanks(specs))
         socket.send_fds(self._sock, [b"f"], fds)
-        _, pids = self._next_reply(60.0, "fork")
-        return pids
+        reply = self._next_reply(60.0, "fork")
+        if reply.breaks_cuda:
+            self.breaks_cuda += reply.breaks_cuda
+            modules = ", ".join(reply.breaks_cuda)
+            raise ForkRefused(f"the shared zygote imported {modules}, which initialised CUDA")
+        return reply.pids
 
     def signal(self, pids: list[int], signum: int) -> None:
         """Signal ranks that are still the zygote's children (never a recycled pid)."""
         live = [pid for pid in pids if pid not in self.exits]
         if live and self.alive:
             try:
-                self.conn.send(("signal", live, signum))
+                self.conn.send(SignalRanks(live, signum))
             except OSError:
                 pass
 
@@ -156,7 +167,7 @@ class ZygoteClient:
             return
         if self.alive:
             try:
-                self.conn.send(("exit",))
+                self.conn.send(Leave())
             except OSError:
                 pass
             try:
@@ -167,7 +178,7 @@ class ZygoteClient:
         self.conn.close()
         self._sock.close()
 
-    def _next_reply(self, timeout: float, what: str) -> tuple:
+    def _next_reply(self, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -178,10 +189,10 @@ class ZygoteClient:
                     raise ZygoteError(f"the zygote {self._gone()} during {what!r}")
                 continue
             message = self._read()
-            if message[0] != "exited":
+            if not isinstance(message, RankExited):
                 return message
 
-    def _read(self) -> tuple:
+    def _read(self) -> object:
         try:
             message = self.conn.recv()
         except (EOFError, OSError):
@@ -192,8 +203,8 @@ class ZygoteClient:
                 except subprocess.TimeoutExpired:
                     pass
             raise ZygoteError(f"the zygote {self._gone()}") from None
-        if message[0] == "exited":
-            self.exits[message[1]] = message[2]
+        if isinstance(message, RankExited):
+            self.exits[message.pid] = message.code
         return message
 
     def _gone(self) -> str:
