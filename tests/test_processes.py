@@ -218,6 +218,21 @@ def test_ctrl_c_interrupts_a_hanging_test_and_leaves_nothing(pytester, tag, fact
     assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
 
 
+def test_sigint_to_the_xdist_controller_ends_the_ranks_at_once(pytester, tag, facts_dir):
+    """A CI runner's cancel (SIGINT to the controller, not a terminal's Ctrl-C to the whole
+    group): the ranks and the zygote are gone within a second (they used to outlive it by 5 s
+    while execnet waited for the busy workers); the rest follows."""
+    process = start_blocked_session(pytester, facts_dir, "-n", "2", "--dist", "megatron")
+    ranks = gang_pids(read_facts(facts_dir, "ranks"))
+    os.kill(process.pid, signal.SIGINT)
+    try:
+        assert_gone(ranks, within=1.5)  # 1 s, and a margin for a loaded CI machine
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert_no_processes_left(tag, within=15)
+
+
 def test_packages_outside_the_project_are_preloaded(
     pytester, run_pytest, tmp_path_factory, monkeypatch
 ):

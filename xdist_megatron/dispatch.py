@@ -37,6 +37,11 @@ class GangDispatch:
         self.runtime = runtime
         self.timeout_of = timeout_of
 
+    def pytest_keyboard_interrupt(self) -> None:
+        """Ctrl-C, or a CI runner's SIGINT to the xdist controller: end every rank now (the
+        zygote kills them all), before xdist waits for its workers to stop."""
+        self.runtime.close()
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
         if not self.runtime.runs_on_ranks(item):
