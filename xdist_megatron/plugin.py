@@ -139,15 +139,14 @@ def _follow_imports(config: pytest.Config) -> ImportFollower | None:
         return None
     session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
     log = os.path.join(session_dir, HOST_ZYGOTE_LOG) if known.capture != "no" else None
-    address = f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}" if controller else None
+    address = _shared_zygote_address() if controller else None
     devices = known.megatron_devices
     # Without importing torch (it is being imported now): GPUs are likely if the driver is there.
     cuda = not (devices or "").startswith("cpu") and os.path.exists("/dev/nvidiactl")
 
     def start(modules: list[str]) -> ZygoteClient:
-        with open(log, "ab") if log else contextlib.nullcontext() as output:
-            preload = list(dict.fromkeys([*BASE_PRELOAD, *modules]))
-            return ZygoteClient(preload, output, address=address, cuda=cuda)
+        preload = list(dict.fromkeys([*BASE_PRELOAD, *modules]))
+        return _spawn_zygote(preload, log, address, cuda)
 
     rootdir = str(config.rootpath)
     return ImportFollower(
@@ -156,6 +155,19 @@ def _follow_imports(config: pytest.Config) -> ImportFollower | None:
         config.getini("megatron_preload"),
         session_dir,
     )
+
+
+def _shared_zygote_address() -> str:
+    """An abstract Unix socket name, unique to this session, for its workers to connect to."""
+    return f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _spawn_zygote(
+    preload: list[str], log: str | None, address: str | None, cuda: bool
+) -> ZygoteClient:
+    """Start a zygote writing its output to `log` (None: to this process's terminal)."""
+    with open(log, "ab") if log else contextlib.nullcontext() as output:
+        return ZygoteClient(preload, output, address=address, cuda=cuda)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -342,26 +354,30 @@ class Runtime:
             self._host_zygote = self.early_zygote()
         if self._host_zygote is None:
             quiet = self.config.getoption("capture") != "no"
-            log = os.path.join(self.session_dir, HOST_ZYGOTE_LOG)
-            with open(log, "ab") if quiet else contextlib.nullcontext() as output:
-                self._host_zygote = ZygoteClient(
-                    self.early_preload() or list(BASE_PRELOAD),
-                    output,
-                    address=f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}",
-                    cuda=self.devices.is_cuda,
-                )
+            self._host_zygote = _spawn_zygote(
+                self.early_preload() or list(BASE_PRELOAD),
+                os.path.join(self.session_dir, HOST_ZYGOTE_LOG) if quiet else None,
+                _shared_zygote_address(),
+                self.devices.is_cuda,
+            )
         return self._host_zygote.address
 
     def early_zygote(self) -> ZygoteClient | None:
-        """The zygote the import follower started (once: the follower stops here), if it can
-        serve this session's devices."""
-        follower, self._follower = self._follower, None
-        zygote = follower.finish() if follower is not None else None
-        if follower is not None and follower.error is not None:
-            self.notes.append(f"following the imports to start the zygote early: {follower.error}")
+        """The zygote the import follower started, if it can serve this session's devices."""
+        zygote = self._finish_following()
         if zygote is not None and self.devices.is_cuda and not zygote.cuda:
             zygote.close()  # it did not guard its preloads for CUDA: forks could not use GPUs
             return None
+        return zygote
+
+    def _finish_following(self) -> ZygoteClient | None:
+        """Stop the import follower (once) and take the zygote it started, if any."""
+        follower, self._follower = self._follower, None
+        if follower is None:
+            return None
+        zygote = follower.finish()
+        if follower.error is not None:
+            self.notes.append(f"following the imports to start the zygote early: {follower.error}")
         return zygote
 
     def home_device_held(self) -> contextlib.AbstractContextManager:
@@ -438,8 +454,7 @@ class Runtime:
             self._pool.stop_zygote()
 
     def close(self) -> None:
-        follower, self._follower = self._follower, None
-        early = follower.finish() if follower is not None else None
+        early = self._finish_following()
         if early is not None:
             early.close()
         if self._pool is not None:
