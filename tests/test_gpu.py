@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -52,6 +53,7 @@ CUDA_AT_IMPORT_LIB = "import os\nimport torch\n\ntorch.cuda.init()\nIMPORTED_BY 
 
 CUDA_AT_IMPORT_SUITE = """
 import os
+import subprocess
 import pytest
 import cuda_at_import
 
@@ -78,3 +80,92 @@ def test_a_preload_that_initialises_cuda_is_left_to_gpu_ranks(
     on_cpu = run_pytest("-s", "--megatron-devices", "cpu:2", "--megatron-timeout", "120", gpus=True)
     on_cpu.assert_outcomes(passed=1)
     on_cpu.stdout.fnmatch_lines(["*imported by the zygote*"])
+
+
+FAULTS = """
+import pytest, torch, torch.distributed as dist
+
+def all_reduce_works(device):
+    t = torch.ones(1 << 20, device=device)
+    dist.all_reduce(t)
+    assert t.eq(2).all().item()
+
+@pytest.mark.world_size(2)
+def test_out_of_memory_on_one_rank(rank, device):
+    if rank == 1:
+        torch.empty(1 << 50, dtype=torch.uint8, device=device)
+
+@pytest.mark.world_size(2)
+def test_after_out_of_memory(device):
+    all_reduce_works(device)
+
+@pytest.mark.world_size(2)
+def test_moves_to_the_other_gpu(local_rank):
+    torch.cuda.set_device(1 - local_rank)
+    assert torch.ones(1, device="cuda").device.index == 1 - local_rank
+
+@pytest.mark.world_size(2)
+def test_after_the_move(local_rank, device):
+    assert torch.cuda.current_device() == local_rank
+    all_reduce_works(device)
+
+@pytest.mark.world_size(2)
+def test_one_rank_skips_the_all_reduce(rank, device):
+    t = torch.ones(1 << 20, device=device)
+    if rank == 0:
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+
+@pytest.mark.world_size(2)
+def test_after_the_skipped_all_reduce(device):
+    all_reduce_works(device)
+
+@pytest.mark.world_size(2)
+def test_all_reduce_sizes_differ(rank, device):
+    t = torch.ones(1024 * (rank + 1), device=device)
+    dist.all_reduce(t)
+    assert t.eq(2).all().item()
+
+@pytest.mark.world_size(2)
+def test_after_the_size_mismatch(device):
+    all_reduce_works(device)
+"""
+
+
+def gpu_memory_used() -> list[int]:
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    return [int(v) for v in subprocess.check_output(query, text=True).split()]
+
+
+def gpu_processes() -> set[int]:
+    query = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
+    return {int(v) for v in subprocess.check_output(query, text=True).split()}
+
+
+def test_gpu_faults_cost_one_test_each(pytester: pytest.Pytester, run_pytest) -> None:
+    """Out of memory on one rank, a rank that skips a collective (the plugin's timeout fires, not
+    NCCL's watchdog), a test that moves its rank to the other GPU, an all_reduce whose sizes
+    differ: each fails (or warns about) its own test, with the cause first; the next test passes;
+    after the session no process is left on the GPUs and their memory is back where it was."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    before = gpu_memory_used()
+    pytester.makepyfile(test_gpu_faults=FAULTS)
+    result = run_pytest("-vv", "-rA", "--megatron-timeout", "30", gpus=True)
+    print(result.stdout.str())
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_out_of_memory_on_one_rank - rank 1: *OutOfMemoryError: CUDA out of memory*",
+            "*::test_one_rank_skips_the_all_reduce - rank 0 timed out after 30 s in synchronize*",
+        ],
+        consecutive=False,
+    )
+    result.stdout.fnmatch_lines(["*rank ?: the test left cuda:? current; the gang made it*"])
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed") == 3 and outcomes.get("passed") == 5, outcomes
+    for name in ("out_of_memory", "the_move", "the_skipped_all_reduce", "the_size_mismatch"):
+        result.stdout.fnmatch_lines([f"PASSED *::test_after_{name}"])
+    assert gpu_processes() <= {os.getpid()}
+    after = gpu_memory_used()
+    print(f"GPU memory used (MiB) before the session {before}, after {after}")
+    assert after == before

@@ -116,14 +116,12 @@ def test_outcomes_merge_across_ranks(pytester, run_pytest):
     result.stdout.fnmatch_lines(
         [
             "*_ test_hang _*",
-            "Python stacks of rank 0:",
-            "*hread 0x* (most recent call first):",
-            f'  File "*test_merge.py", line {line_of(pytester, "test_merge", "barrier()")}'
-            " in test_hang",
-            "Python stacks of rank 1:",
-            "*hread 0x* (most recent call first):",
-            f'  File "*test_merge.py", line {line_of(pytester, "test_merge", "sleep(60)")}'
-            " in test_hang",
+            "Python stack of rank 0 (most recent call last):",
+            f'  File "*test_merge.py", line {line_of(pytester, "test_merge", "barrier()")},'
+            " in test_hang  <-- the test",
+            "Python stack of rank 1 (most recent call last):",
+            f'  File "*test_merge.py", line {line_of(pytester, "test_merge", "sleep(60)")},'
+            " in test_hang  <-- the test",
         ]
     )
     result.stdout.fnmatch_lines(

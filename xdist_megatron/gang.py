@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from . import placement
+from . import stacks as stacks_
 from .capture import output_paths
 from .protocol import (
     DIED,
@@ -35,6 +36,7 @@ from .protocol import (
     RankSpec,
     Ready,
     ShutdownJob,
+    TestJob,
 )
 from .rank import STACK_SIGNAL
 from .zygote_client import ZygoteClient, ZygoteError, describe_exit
@@ -169,7 +171,7 @@ class Gang:
                 raise GangError(
                     f"gang of {self.world_size} did not start within {START_TIMEOUT:.0f} s: "
                     f"rank(s) {_ranks(ranks)} never joined the process group\n"
-                    + "\n".join(stacks[r] for r in ranks)
+                    + "\n".join(stacks_.render(r, stacks[r], None) for r in ranks)
                 )
             for conn in wait(list(waiting), min(remaining, 0.5)):
                 rank = waiting.pop(conn)
@@ -277,7 +279,7 @@ class Gang:
             self.retire()
             return results
         try:
-            results = self._collect(timeout)
+            results = self._collect(timeout, _test_frame(job))
         except BaseException:
             self.retire()
             raise
@@ -285,7 +287,7 @@ class Gang:
             self.retire()
         return results
 
-    def _collect(self, timeout: float) -> list[RankResult]:
+    def _collect(self, timeout: float, test: stacks_.TestFrame | None) -> list[RankResult]:
         reports: dict[int, list[dict]] = {rank: [] for rank in range(self.world_size)}
         results: dict[int, RankResult] = {}
         finished: set[int] = set()  # ranks done with their test, waiting for their peers
@@ -314,7 +316,8 @@ class Gang:
             if grace_end == float("inf") and _cause(results, reports, finished) is not None:
                 grace_end = time.monotonic() + FAILURE_GRACE
         if waiting:
-            self._report_unfinished(sorted(waiting.values()), results, reports, finished, timeout)
+            ranks = sorted(waiting.values())
+            self._report_unfinished(ranks, results, reports, finished, timeout, test)
         for rank, result in results.items():
             result.reports = reports[rank]
             if result.lost:
@@ -347,22 +350,21 @@ class Gang:
         reports: dict[int, list[dict]],
         finished: set[int],
         timeout: float,
+        test: stacks_.TestFrame | None,
     ) -> None:
         """Ranks still busy in their test fail with their stacks; a rank that was done and only
         waited for its peers says so, and its own reports stand."""
         cause = _cause(results, reports, finished)
-        if cause is not None:
-            why = f"was still running {FAILURE_GRACE:g} s after rank {cause} failed"
-        else:
-            why = f"timed out after {timeout:g} s"
         stacks = self._dump_stacks(ranks)
         for rank in ranks:
             if rank in finished:
                 message = f"rank {rank} was done and waited for its peers"
                 results[rank] = RankResult(rank, FAILED, message, lost=WAITED)
             else:
-                message = f"rank {rank} {why}"
-                results[rank] = RankResult(rank, FAILED, message, stacks[rank], lost=STUCK)
+                call = stacks_.innermost_call(stacks[rank])
+                message = f"rank {rank} {_why_stuck(call, cause, timeout)}"
+                shown = stacks_.render(rank, stacks[rank], test)
+                results[rank] = RankResult(rank, FAILED, message, shown, lost=STUCK)
 
     def _pump_zygote(self) -> None:
         try:
@@ -383,7 +385,7 @@ class Gang:
         stdout, stderr = (_read_text(p) for p in output_paths(self._workdir, self.pids[rank]))
         return RankResult(rank, FAILED, message, message, stdout=stdout, stderr=stderr, lost=DIED)
 
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, list[stacks_.Thread]]:
         """Every given rank's Python stacks, through faulthandler (works inside a collective)."""
         paths = {r: self._stack_path(self._store.port, r) for r in ranks}
         self._zygote.signal([self.pids[r] for r in ranks], STACK_SIGNAL)
@@ -395,7 +397,21 @@ class Gang:
             if all(now.values()) and now == sizes:
                 break
             sizes = now
-        return {r: _read_stacks(r, p) for r, p in paths.items()}
+        return {r: stacks_.parse(_read_text(p)) for r, p in paths.items()}
+
+
+def _why_stuck(call: str | None, cause: int | None, timeout: float) -> str:
+    """`timed out after 5 s in all_reduce`, or `was still in barrier 2 s after rank 1 failed`."""
+    if cause is not None:
+        where = f"in {call}" if call else "running"
+        return f"was still {where} {FAILURE_GRACE:g} s after rank {cause} failed"
+    return f"timed out after {timeout:g} s" + (f" in {call}" if call else "")
+
+
+def _test_frame(job: Job) -> stacks_.TestFrame | None:
+    if isinstance(job, TestJob):
+        return stacks_.TestFrame.of(job.nodeid, job.module_path)
+    return None
 
 
 def _stopped_early(report: dict) -> bool:
@@ -419,15 +435,6 @@ def _size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-def _read_stacks(rank: int, path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            text = f.read().strip()
-    except OSError:
-        text = ""
-    return f"Python stacks of rank {rank}:\n{text or '(none: the rank did not answer)'}"
 
 
 def _read_text(path: str) -> str:

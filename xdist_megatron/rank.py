@@ -230,9 +230,9 @@ class _JobRunner:
     def _run_test(self, job: TestJob) -> str:
         """The test's protocol in the rank's session, then the checks that keep the gang."""
         self.session.run(job.nodeid, job.module_path, job.next_nodeid)
-        note = self._repair_default_group()
+        notes = [self._repin_device(), self._repair_default_group()]
         _check_health()
-        return note
+        return "; ".join(note for note in notes if note)
 
     def _open_session(self, job: TestJob) -> None:
         from . import state
@@ -272,6 +272,20 @@ class _JobRunner:
             return
         self.session.teardown_until(next_nodeid)  # the last module's scopes end
         plugin.reset()
+
+    def _repin_device(self) -> str:
+        """A test that left another GPU current (`torch.cuda.set_device`) leaves the next test
+        on the rank's own: its tensors, and NCCL's choice of device, would follow the other."""
+        if not self.spec.use_cuda:
+            return ""
+        import torch
+
+        pinned, current = int(self.spec.env["LOCAL_RANK"]), torch.cuda.current_device()
+        if current == pinned:
+            return ""
+        torch.cuda.synchronize(current)  # an error the test caused there surfaces in its test
+        torch.cuda.set_device(pinned)
+        return f"the test left cuda:{current} current; the gang made it cuda:{pinned} again"
 
     def _repair_default_group(self) -> str:
         """A test that destroyed the default group, or re-created it with another size, leaves
