@@ -316,9 +316,8 @@ def main(argv: list[str]) -> int:
     gc.collect()
     gc.freeze()
     zygote = Zygote(fd, options["standby"], listener, options["cuda"])
+    zygote.breaks_cuda += breaks_cuda  # forks are refused; the owner starts one without these
     zygote.owner.send(Preloaded(failures, breaks_cuda, os.getpid()))
-    if breaks_cuda:
-        return 1  # no rank forked yet: its owner starts another without these
     zygote.serve()
     return 0
 
