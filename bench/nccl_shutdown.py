@@ -1,5 +1,6 @@
-"""What destroying megatron's process groups costs on GPUs, one at a time and shut down on threads
-first (what the plugin's cleanup does), for lazily and eagerly initialised NCCL communicators.
+"""What destroying megatron's process groups costs on GPUs: one at a time, shut down on threads
+first (what the plugin's cleanup does), or aborted first; for lazily and eagerly initialised NCCL
+communicators.
 
     torchrun --nproc-per-node 2 bench/nccl_shutdown.py [--backend nccl|cpu:gloo,cuda:nccl] [--eager]
 
@@ -64,6 +65,20 @@ def on_threads(groups: list[object]) -> float:
     return time.perf_counter() - start
 
 
+def aborted_first(groups: list[object]) -> float:
+    """ProcessGroup.abort (ncclCommAbort: local, no wait for peers) once every rank is idle,
+    then the bookkeeping of destroy_process_group."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for group in groups:
+        group.abort()
+    for index in range(len(groups)):
+        dist.destroy_process_group(groups[index])
+    groups.clear()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="nccl")
@@ -78,13 +93,16 @@ def main() -> None:
         count = len(groups := make_groups(use))
         alone = one_at_a_time(groups)
         together = on_threads(make_groups(use))
-        rows.append((use, count, alone, together))
+        aborted = aborted_first(make_groups(use))
+        rows.append((use, count, alone, together, aborted))
     if dist.get_rank() == 0:
         print(f"backend {args.backend}, eager communicators: {args.eager}")
-        print("collectives  groups  one at a time  shut down on threads first")
-        for use, count, alone, together in rows:
+        print("collectives  groups  one at a time  shut down on threads first  aborted first")
+        for use, count, alone, together, aborted in rows:
             used = "yes" if use else "no"
-            print(f"{used:>11}  {count:>6}  {alone:>11.2f} s  {together:>24.2f} s")
+            print(
+                f"{used:>11}  {count:>6}  {alone:>11.2f} s  {together:>24.2f} s  {aborted:>11.2f} s"
+            )
     dist.barrier()
     dist.destroy_process_group()
 
