@@ -3,6 +3,7 @@ durations file (--megatron-durations, --megatron-store-durations), serially and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections import defaultdict
@@ -164,3 +165,14 @@ def test_shards_under_xdist_run_disjoint_parts_of_the_suite(run_pytest, pytester
         assert result.ret == 0
     assert outcomes[0] and outcomes[1] and not set(outcomes[0]) & set(outcomes[1])
     assert len(outcomes[0]) + len(outcomes[1]) == 10
+
+
+def test_the_jobs_durations_files_merge_into_one() -> None:
+    spec = importlib.util.spec_from_file_location("merge", EXAMPLES / "ci" / "merge_durations.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    committed = {"version": 1, "tests": {"a": {"duration": 1.0}, "b": {"duration": 2.0}}}
+    job_a = {"version": 1, "tests": {"a": {"duration": 1.5}, "b": {"duration": 2.0}}}
+    job_b = {"version": 1, "tests": {"a": {"duration": 1.0}, "b": {"duration": 2.5}, "c": {}}}
+    merged = module.merge(committed, [job_a, job_b])
+    assert merged["tests"] == {"a": {"duration": 1.5}, "b": {"duration": 2.5}, "c": {}}

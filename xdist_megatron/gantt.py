@@ -29,22 +29,35 @@ def svg(spans: list[Span], devices: tuple[int, ...], title: str) -> str:
     for device, row in row_of.items():
         parts.append(f'<text x="4" y="{TOP + row * ROW + 13}">device {device}</text>')
     for span in spans:
-        parts += [_bar(span, row_of[d], first, scale) for d in span.devices if d in row_of]
+        parts += [_bar(span, rows, first, scale) for rows in _row_runs(span, row_of)]
     parts += _axis(last - first, scale, TOP + ROW * len(devices))
     parts += _legend(sorted({s.world_size or 0 for s in spans}), height - 10)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
 
-def _bar(span: Span, row: int, first: float, scale: float) -> str:
+def _row_runs(span: Span, row_of: dict[int, int]) -> list[tuple[int, int]]:
+    """The test's rows as runs of adjacent rows (first, count): one bar per block of devices."""
+    runs: list[tuple[int, int]] = []
+    for row in sorted(row_of[d] for d in span.devices if d in row_of):
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((row, 1))
+    return runs
+
+
+def _bar(span: Span, rows: tuple[int, int], first: float, scale: float) -> str:
     x = LEFT + (span.start - first) * scale
     width = max(span.seconds * scale, 0.5)
     colour = COLOURS.get(span.world_size, OTHER_COLOUR)
-    stroke = f' stroke="{FAILED_STROKE}" stroke-width="1.5"' if span.outcome == "failed" else ""
+    edge = FAILED_STROKE if span.outcome == "failed" else "white"
+    stroke = f' stroke="{edge}" stroke-width="1"'
     tip = f"{span.nodeid} ({span.outcome}) {span.seconds:.2f} s on {span.worker}"
     tip += f" {span.gang}" if span.gang else ""
     return (
-        f'<rect x="{x:.1f}" y="{TOP + row * ROW + 2}" width="{width:.1f}" height="{ROW - 4}" '
+        f'<rect x="{x:.1f}" y="{TOP + rows[0] * ROW + 2}" width="{width:.1f}" '
+        f'height="{rows[1] * ROW - 4}" '
         f'fill="{colour}"{stroke}><title>{escape(tip)}</title></rect>'
     )
 

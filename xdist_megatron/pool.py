@@ -45,6 +45,7 @@ class GangPool:
         self.notes: list[str] = []  # things the terminal summary should say
         self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
         self.gang_names: dict[int, str] = {}  # size -> the current gang's name, "ws2#1"
+        self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
         self._logged_retired: set[str] = set()
         self._preload = preload
         self._largest_size = largest_size
@@ -87,8 +88,10 @@ class GangPool:
         self._ensure_started(size)  # forking and joining only create contexts: no lock needed
         nodeid = getattr(job, "nodeid", None)
         with self.devices_held(size):
+            held_from = time.time()
             gang = self.acquire(size, module, timeout, nodeid)
             results = gang.execute(job, timeout)
+        self.last_hold = (held_from, time.time())
         if not gang.alive:
             self._log_retired(size, _retire_cause(results))
         return results

@@ -62,9 +62,18 @@ class RunFacts:
         # A new list: pytest shares the item's list with all its reports.
         report.user_properties = [*report.user_properties, *facts]
         gang = self._pool_facts(item, size)
-        span = {"start": current["start"], "end": time.time(), "world_size": size}
+        start, end = self._window(item, current["start"])
+        span = {"start": start, "end": end, "world_size": size}
         span.update(devices=list(devices), worker=self.worker, **gang)
         setattr(report, SPAN_ATTRIBUTE, span)
+
+    def _window(self, item: pytest.Item, start: float) -> tuple[float, float]:
+        """When the test held its devices: for a test on a gang, its job's (not the wait for a
+        device lock or the zygote); else its whole protocol."""
+        hold = self.runtime.pool.last_hold if self.runtime.runs_on_ranks(item) else None
+        if hold is not None and hold[0] >= start:
+            return hold
+        return start, time.time()
 
     def _devices(self, item: pytest.Item, size: int | None) -> tuple[int, ...]:
         devices = self.runtime.devices
