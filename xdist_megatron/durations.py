@@ -1,33 +1,142 @@
-"""Test durations of the last run, kept in the pytest cache to order work longest-first."""
+"""Test durations, to order the scheduler's work longest-first and to balance the shards.
+
+The pytest cache keeps the last run's (the default). A CI job starts from a clean checkout with
+no cache, so a durations file can stand in for it: read with `--megatron-durations PATH`, and
+written (merged: this run's tests replace their entries, the others stay) with
+`--megatron-store-durations`, as pytest-split's `--durations-path` / `--store-durations`.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 CACHE_KEY = "xdist_megatron/durations"
+FILE_VERSION = 1
+WORLD_SIZE_PROPERTY = "world_size"  # the user property a test's report carries its size in
 
 
-class DurationRecorder:
-    """Adds up setup, call and teardown time per test and saves it at the end of the session."""
+def add_options(group: Any, parser: pytest.Parser) -> None:
+    group.addoption(
+        "--megatron-durations",
+        default=None,
+        metavar="PATH",
+        help="a JSON file of test durations to order the work and balance --megatron-shard "
+        "(default: ini megatron_durations; unset: the last run's, in the pytest cache).",
+    )
+    group.addoption(
+        "--megatron-store-durations",
+        action="store_true",
+        help="merge this run's test durations into the --megatron-durations file at the end.",
+    )
+    parser.addini("megatron_durations", "default of --megatron-durations", default="")
 
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-        self.measured: dict[str, float] = {}
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + report.duration
+@dataclass(frozen=True)
+class Timing:
+    """One test's entry in a durations file."""
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self) -> None:
-        cache = getattr(self.config, "cache", None)
-        if cache is None or not self.measured:
-            return
-        cache.set(CACHE_KEY, {**load(self.config), **self.measured})
+    world_size: int | None  # None: the test ran in the driver
+    duration: float  # seconds: setup, call and teardown
+
+
+def file_path(config: pytest.Config) -> Path | None:
+    """The durations file: the option's path (from the invocation folder), else the ini's (from
+    the ini file's folder); None when neither is set."""
+    given = config.getoption("megatron_durations")
+    if given:
+        return config.invocation_params.dir / given
+    configured = config.getini("megatron_durations")
+    if configured:
+        base = config.inipath.parent if config.inipath else config.rootpath
+        return base / configured
+    return None
+
+
+def check(config: pytest.Config) -> None:
+    """At configure time: storing needs a file, and a file that exists must be readable."""
+    path = file_path(config)
+    if path is None:
+        if config.getoption("megatron_store_durations"):
+            raise pytest.UsageError("--megatron-store-durations needs --megatron-durations PATH")
+        return
+    try:
+        read_file(path)
+    except (OSError, ValueError) as exc:
+        raise pytest.UsageError(f"--megatron-durations {path}: {exc}") from None
+
+
+def read_file(path: Path) -> dict[str, Timing]:
+    """A durations file's entries; none when it does not exist yet (a CI's first run)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    tests = data.get("tests") if isinstance(data, dict) else None
+    if data.get("version") != FILE_VERSION or not isinstance(tests, dict):
+        raise ValueError(f'expected {{"version": {FILE_VERSION}, "tests": {{nodeid: ...}}}}')
+    return {
+        nodeid: Timing(entry.get("world_size"), float(entry["duration"]))
+        for nodeid, entry in tests.items()
+    }
+
+
+def write_file(path: Path, timings: dict[str, Timing]) -> None:
+    """Write atomically, so that a reader (another CI job) never sees half a file."""
+    tests = {
+        n: {"world_size": t.world_size, "duration": round(t.duration, 4)}
+        for n, t in timings.items()
+    }
+    data = {"version": FILE_VERSION, "tests": dict(sorted(tests.items()))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def load(config: pytest.Config) -> dict[str, float]:
+    """Seconds per node id: the durations file's, else the pytest cache's."""
+    path = file_path(config)
+    if path is not None:
+        return {nodeid: timing.duration for nodeid, timing in read_file(path).items()}
     cache = getattr(config, "cache", None)
     if cache is None:
         return {}
     value = cache.get(CACHE_KEY, {})
     return value if isinstance(value, dict) else {}
+
+
+class DurationRecorder:
+    """Adds up setup, call and teardown time per test and saves it at the end of the session:
+    in the pytest cache, and in the durations file when asked to."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.measured: dict[str, float] = {}
+        self.sizes: dict[str, int | None] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + report.duration
+        for name, value in report.user_properties:
+            if name == WORLD_SIZE_PROPERTY:
+                self.sizes[report.nodeid] = value
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self) -> None:
+        if not self.measured:
+            return
+        cache = getattr(self.config, "cache", None)
+        if cache is not None:
+            old = cache.get(CACHE_KEY, {})
+            cache.set(CACHE_KEY, {**(old if isinstance(old, dict) else {}), **self.measured})
+        path = file_path(self.config)
+        if path is not None and self.config.getoption("megatron_store_durations"):
+            timings = {n: Timing(self.sizes.get(n), d) for n, d in self.measured.items()}
+            write_file(path, {**read_file(path), **timings})

@@ -29,6 +29,8 @@ from . import (
     metadata,
     placement,
     preload_cache,
+    run_report,
+    selection,
 )
 from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_configure_node,
@@ -53,6 +55,7 @@ from .markers import WORLD_SIZE
 from .placement import DeviceSet
 from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
 from .protocol import FAILED, CleanupJob, RankInfo, SessionArgs
+from .run_facts import RunFacts
 from .scheduler import INPUT_KEY
 from .zygote_client import ZygoteClient
 
@@ -102,6 +105,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="folder of the device locks; point several pytest sessions on one host at the same "
         "folder to let them share its GPUs safely (default: one folder per session).",
     )
+    selection.add_options(group, parser)
+    durations.add_options(group, parser)
+    run_report.add_options(group)
     dist_mode.add_dist_choice(parser)
     parser.addini("megatron_timeout", "default of --megatron-timeout", default=str(DEFAULT_TIMEOUT))
     parser.addini("megatron_world_size", "default of --megatron-world-size", default="")
@@ -178,6 +184,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     runtime = config.stash[RUNTIME] = Runtime(config)
     runtime.default_timeout()  # a bad value is a usage error now, not a failure per test
+    selection.check(config)
+    durations.check(config)
     if config.getoption("megatron_devices") is not None and runtime.inprocess is None:
         runtime.devices  # noqa: B018 - likewise: a bad spec fails the run here, in every mode
     if runtime.inprocess is not None:
@@ -185,12 +193,17 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         dispatcher = dispatch.GangDispatch(runtime, dispatch_timeout)
         config.pluginmanager.register(dispatcher, "xdist-megatron-dispatch")
+        config.pluginmanager.register(RunFacts(runtime), "xdist-megatron-run-facts")
+        if not hasattr(config, "workerinput"):
+            report = run_report.RunReport(config, lambda: runtime.devices.ids)
+            config.pluginmanager.register(report, "xdist-megatron-run-report")
     # At exit CPython's last collections walk every object torch and megatron allocated: about
     # 2 s per process with megatron.core loaded. Frozen objects are skipped; the language does
     # not promise to finalise objects still alive at exit, and atexit handlers all still run.
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
-    if not hasattr(config, "workerinput"):  # the controller sees every report, workers need not
+    # The controller sees every report, workers need not; a gang's rank reports to its driver.
+    if not hasattr(config, "workerinput") and not inprocess.on_gang_rank():
         config.pluginmanager.register(
             durations.DurationRecorder(config), "xdist-megatron-durations"
         )
@@ -582,6 +595,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif size > runtime.devices.count:
             reason = f"needs {size} devices, {runtime.devices.count} available"
             item.add_marker(pytest.mark.skip(reason=reason))
+    if not inprocess.on_gang_rank():  # its driver chose the test; the rank collected one module
+        selection.select(config, items)
     if runtime.xdist:
         _publish_items(config, items)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO
@@ -12,7 +13,8 @@ from typing import IO
 from . import placement
 from .gang import Gang, GangError
 from .locks import DeviceLocks
-from .protocol import FAILED, Job, RankResult, ResetJob
+from .protocol import DIED, FAILED, STUCK, Job, RankResult, ResetJob
+from .timeline import GangEvent
 from .zygote_client import ForkRefused, ZygoteClient, describe_exit
 
 RESET_TIMEOUT = 120.0
@@ -41,6 +43,10 @@ class GangPool:
         self.backend = backend
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
+        self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
+        self.gang_names: dict[int, str] = {}  # size -> the current gang's name, "ws2#1"
+        self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
+        self._logged_retired: set[str] = set()
         self._preload = preload
         self._largest_size = largest_size
         self._quiet = quiet_zygote
@@ -82,7 +88,13 @@ class GangPool:
         self._ensure_started(size)  # forking and joining only create contexts: no lock needed
         nodeid = getattr(job, "nodeid", None)
         with self.devices_held(size):
-            return self.acquire(size, module, timeout, nodeid).execute(job, timeout)
+            held_from = time.time()
+            gang = self.acquire(size, module, timeout, nodeid)
+            results = gang.execute(job, timeout)
+        self.last_hold = (held_from, time.time())
+        if not gang.alive:
+            self._log_retired(size, _retire_cause(results))
+        return results
 
     def _ensure_started(self, size: int) -> None:
         gang = self._gangs.get(size)
@@ -92,7 +104,10 @@ class GangPool:
     def trim(self, keep: set[int]) -> None:
         """Shut down gangs of sizes this worker will not run again: they hold device memory."""
         for size in [s for s in self._gangs if s not in keep]:
-            self._gangs.pop(size).close()
+            gang = self._gangs.pop(size)
+            if gang.alive:
+                self._log_retired(size, "not needed again here")
+            gang.close()
 
     def acquire(self, size: int, module: str, timeout: float, nodeid: str | None = None) -> Gang:
         """A live gang of `size` ranks, reset to its start-up state if `module` (of the test
@@ -106,8 +121,11 @@ class GangPool:
                 f"gang of {size}: rank {rank} {describe_exit(code)} between tests; replaced it"
             )
             gang.retire()
+            self._log_retired(size, "a rank died between tests")
         if gang is not None and gang.alive and gang.last_module not in (None, module):
             gang = self._cross_module_boundary(gang, module, nodeid)
+        if gang is not None and not gang.alive:
+            self._log_retired(size, "a failure in a test")  # one the `gang` fixture ran
         if gang is None or not gang.alive:
             gang = self._start(size)
         gang.last_module = module
@@ -117,6 +135,7 @@ class GangPool:
     def _cross_module_boundary(self, gang: Gang, module: str, nodeid: str | None) -> Gang | None:
         if self.scope == MODULE_SCOPE:
             gang.close()
+            self._log_retired(gang.world_size, "module scope")
             return None
         results = gang.execute(ResetJob(nodeid), RESET_TIMEOUT)
         failed = [r for r in results if r.outcome == FAILED]
@@ -125,6 +144,7 @@ class GangPool:
                 f"gang of {gang.world_size}: reset before {module} failed on rank "
                 f"{failed[0].rank} ({failed[0].message}); replaced it with a fresh gang"
             )
+            self._log_retired(gang.world_size, "reset failed")
             return None
         return gang
 
@@ -141,7 +161,9 @@ class GangPool:
             )
             self._gangs[size] = gang
             try:
-                return gang.start()
+                gang.start()
+                self._log_started(size)
+                return gang
             except ForkRefused as exc:  # another worker's preload spoilt the shared zygote
                 self._gangs.pop(size)
                 if attempt == 2:
@@ -149,6 +171,19 @@ class GangPool:
             except GangError as exc:
                 raise GangError(f"{exc}\n{self._log_tail()}") from None
         raise AssertionError("unreachable")
+
+    def _log_started(self, size: int) -> None:
+        cause = "replaced a retired one" if size in self.gang_names else "first use"
+        count = sum(e.kind == "start" and e.world_size == size for e in self.events) + 1
+        self.gang_names[size] = f"ws{size}#{count}"
+        self.events.append(GangEvent(time.time(), "start", size, self.gang_names[size], cause))
+
+    def _log_retired(self, size: int, cause: str) -> None:
+        """Note that the current gang of `size` retired (once, under the first cause seen)."""
+        name = self.gang_names.get(size)
+        if name is not None and name not in self._logged_retired:
+            self._logged_retired.add(name)
+            self.events.append(GangEvent(time.time(), "retire", size, name, cause))
 
     def _log_tail(self, lines: int = 30) -> str:
         try:
@@ -243,3 +278,13 @@ class GangPool:
             self._log.close()
             self._log = None
         shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+def _retire_cause(results: list[RankResult]) -> str:
+    """Why a job retired its gang, in a few words for the run report."""
+    lost = {r.lost for r in results}
+    if DIED in lost:
+        return "a rank died"
+    if STUCK in lost:
+        return "timeout"
+    return "a rank failed its checks"

@@ -1,0 +1,133 @@
+"""The run report: the timeline's arithmetic, the chart, and end to end the terminal section,
+--megatron-report's JSON and SVG, and the junit properties, serially and under xdist."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from xdist_megatron.gantt import svg
+from xdist_megatron.timeline import GangEvent, Span, idle_gaps, summary, utilisation
+
+CPU8 = ("--megatron-devices", "cpu:8")
+SVG = "{http://www.w3.org/2000/svg}"
+
+SUITE = """
+import os
+import pytest
+
+def test_unmarked():
+    pass
+
+@pytest.mark.world_size(2)
+def test_pair(world_size):
+    assert world_size == 2
+
+@pytest.mark.world_size(2)
+def test_rank_dies(rank):
+    if rank == 1:
+        os._exit(3)
+
+@pytest.mark.world_size(2)
+def test_after_the_death(rank):
+    pass
+
+@pytest.mark.world_size(4)
+def test_four(rank):
+    assert rank < 3
+"""
+
+
+def span(nodeid: str, start: float, end: float, devices: tuple[int, ...], size: int | None) -> Span:
+    return Span(nodeid, start, end, size, devices, "gw0", None, "passed")
+
+
+def test_utilisation_is_busy_device_seconds_over_devices_times_makespan() -> None:
+    spans = [span("a.py::t", 0, 10, (0, 1), 2), span("b.py::t", 5, 10, (2,), None)]
+    assert utilisation(spans, 4) == (20 + 5) / (4 * 10)
+
+
+def test_idle_gaps_are_the_free_stretches_of_each_device_longest_first() -> None:
+    spans = [span("a.py::t", 0, 2, (0,), 1), span("a.py::u", 5, 6, (0,), 1)]
+    spans.append(span("b.py::t", 0, 10, (1,), 1))
+    assert idle_gaps(spans, (0, 1)) == [(4.0, 0, 6.0), (3.0, 0, 2.0)]
+
+
+def test_the_summary_counts_gangs_by_size_and_cause() -> None:
+    spans = [span("a.py::t", 0, 2, (0, 1), 2), span("a.py::u", 2, 3, (0, 1), 2)]
+    events = [
+        GangEvent(0, "start", 2, "gw0:ws2#1", "first use"),
+        GangEvent(2, "retire", 2, "gw0:ws2#1", "timeout"),
+        GangEvent(2, "start", 2, "gw0:ws2#2", "replaced a retired one"),
+    ]
+    lines = summary(spans, events, (0, 1, 2, 3))
+    assert lines[0] == (
+        "gangs of 2: 2 started (1 first use, 1 replaced a retired one); 1 retired (1 timeout)"
+    )
+    assert "ws2: 2 tests, 3.0 s" in lines
+    assert "device utilisation: 50% of 4 devices x 3.0 s (test phase)" in lines
+    assert "devices never used: 2, 3" in lines
+
+
+def test_the_chart_is_svg_with_a_bar_per_device_of_each_test() -> None:
+    spans = [span("a.py::t<1>", 0, 2, (0, 1), 2), span("b.py::t", 1, 3, (2,), None)]
+    root = ET.fromstring(svg(spans, (0, 1, 2, 3), "a run"))
+    bars = [r for r in root.iter(f"{SVG}rect") if r.find(f"{SVG}title") is not None]
+    assert len(bars) == 2  # one bar per block of adjacent devices
+    assert bars[0].find(f"{SVG}title").text.startswith("a.py::t<1> (passed) 2.00 s")
+
+
+def test_a_run_writes_the_timeline_the_chart_and_junit_properties(run_pytest, pytester):
+    pytester.makepyfile(test_suite=SUITE)
+    result = run_pytest(
+        *CPU8, "--megatron-report", "out/run.json", "--junitxml", "out/junit.xml"
+    )  # fmt: skip
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*= xdist-megatron run report =*",
+            "gangs of 2: 2 started (1 first use, 1 replaced a retired one); "
+            "1 retired (1 a rank died)",
+            "gangs of 4: 1 started (1 first use)",
+            "device utilisation: *% of 8 devices x * s (test phase)",
+            "timeline: *run.json, chart: *run.svg",
+        ]
+    )
+    timeline = json.loads((pytester.path / "out/run.json").read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in timeline["tests"]}
+    assert len(tests) == 5 and timeline["devices"] == list(range(8))
+    assert (
+        tests["test_four"]["devices"] == [0, 1, 2, 3] and tests["test_four"]["outcome"] == "failed"
+    )
+    assert tests["test_unmarked"]["world_size"] is None and tests["test_unmarked"]["gang"] is None
+    assert tests["test_pair"]["gang"] == "main:ws2#1"
+    assert tests["test_after_the_death"]["gang"] == "main:ws2#2"
+    assert all(t["start"] <= t["end"] and t["worker"] == "main" for t in tests.values())
+    ET.parse(pytester.path / "out/run.svg")
+    cases = ET.parse(pytester.path / "out/junit.xml").getroot().iter("testcase")
+    properties = {
+        c.get("name"): {p.get("name"): p.get("value") for p in c.iter("property")} for c in cases
+    }
+    assert properties["test_pair"] == {"world_size": "2", "devices": "0,1", "worker": "main"}
+    assert properties["test_unmarked"] == {"devices": "0", "worker": "main"}
+
+
+def test_the_controller_reports_every_workers_tests(run_pytest, pytester):
+    pytester.makepyfile(test_suite=SUITE)
+    args = ("-n", "2", "--dist", "megatron", *CPU8, "--junitxml", "junit.xml")
+    result = run_pytest(*args, "--megatron-report", "run.json")
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines(["*= xdist-megatron run report =*", "gangs of 4: 1 started*"])
+    tests = json.loads((pytester.path / "run.json").read_text())["tests"]
+    assert len(tests) == 5 and {t["worker"] for t in tests} <= {"gw0", "gw1"}
+    assert all(t["gang"].startswith(t["worker"]) for t in tests if t["world_size"])
+    workers = [p.get("value") for p in ET.parse("junit.xml").getroot().iter("property")]
+    assert {"gw0", "gw1"} & set(workers)
+
+
+def test_no_section_without_gang_tests(run_pytest, pytester):
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = run_pytest("--megatron-report", "run.json")
+    result.assert_outcomes(passed=1)
+    assert "run report" not in result.stdout.str()
+    assert not (pytester.path / "run.json").exists()

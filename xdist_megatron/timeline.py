@@ -1,0 +1,147 @@
+"""A run's timeline: where and when each test ran, and when gangs started and retired, with the
+summary the terminal shows. Pure data and arithmetic: no pytest, no torch.
+
+Drivers record the facts (run_facts), reports carry them to the controller, which gathers them
+(run_report) and draws them (gantt).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+TIMELINE_VERSION = 1
+GAP_SHOWN = 3  # the longest idle gaps the terminal names
+GAP_COUNTED = 0.1  # seconds: shorter gaps are the plugin's own between tests, not idle devices
+UNITS_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class GangEvent:
+    """A gang started or retired, and why."""
+
+    time: float  # seconds since the epoch
+    kind: str  # "start" or "retire"
+    world_size: int
+    gang: str  # e.g. "gw0:ws2#1": worker, size, the n-th gang of that size there
+    cause: str
+
+
+@dataclass(frozen=True)
+class Span:
+    """One test: where and when it ran (from the start of its protocol to its last report)."""
+
+    nodeid: str
+    start: float
+    end: float
+    world_size: int | None  # None: it ran in the driver, on the worker's home device
+    devices: tuple[int, ...]
+    worker: str
+    gang: str | None
+    outcome: str
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.end - self.start)
+
+
+def document(spans: list[Span], events: list[GangEvent], devices: tuple[int, ...]) -> dict:
+    """The timeline as the JSON file holds it."""
+    return {
+        "version": TIMELINE_VERSION,
+        "devices": list(devices),
+        "tests": [asdict(span) for span in spans],
+        "gang_events": [asdict(event) for event in events],
+    }
+
+
+def makespan(spans: list[Span]) -> tuple[float, float]:
+    return min(s.start for s in spans), max(s.end for s in spans)
+
+
+def utilisation(spans: list[Span], device_count: int) -> float:
+    """Busy device-seconds over device-seconds available in the test phase."""
+    first, last = makespan(spans)
+    busy = sum(len(s.devices) * s.seconds for s in spans)
+    return busy / (device_count * (last - first)) if last > first else 0.0
+
+
+def idle_gaps(spans: list[Span], devices: tuple[int, ...]) -> list[tuple[float, int, float]]:
+    """(seconds, device, start) of every idle stretch of a device in the test phase, longest
+    first."""
+    first, last = makespan(spans)
+    busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for span in spans:
+        for device in span.devices:
+            busy[device].append((span.start, span.end))
+    gaps = []
+    for device in devices:
+        free_from = first
+        for start, end in sorted(busy[device]) + [(last, last)]:
+            if start > free_from:
+                gaps.append((start - free_from, device, free_from))
+            free_from = max(free_from, end)
+    return sorted(gaps, key=lambda g: (-g[0], g[1]))
+
+
+def summary(spans: list[Span], events: list[GangEvent], devices: tuple[int, ...]) -> list[str]:
+    """The terminal's lines: gangs, time per world size, utilisation, longest units, idle gaps."""
+    first, last = makespan(spans)
+    lines = _gang_lines(events) + _size_lines(spans)
+    lines.append(
+        f"device utilisation: {utilisation(spans, len(devices)):.0%} of {len(devices)} devices "
+        f"x {last - first:.1f} s (test phase)"
+    )
+    units: dict[tuple[str, int | None], float] = defaultdict(float)
+    for span in spans:
+        units[span.nodeid.split("::")[0], span.world_size] += span.seconds
+    longest = sorted(units.items(), key=lambda u: -u[1])[:UNITS_SHOWN]
+    lines.append("longest units: " + ", ".join(f"{m} {_ws(s)} {t:.1f} s" for (m, s), t in longest))
+    return lines + _idle_lines(spans, devices)
+
+
+def _idle_lines(spans: list[Span], devices: tuple[int, ...]) -> list[str]:
+    used = {device for span in spans for device in span.devices}
+    gaps = idle_gaps(spans, tuple(d for d in devices if d in used))
+    gaps = [gap for gap in gaps if gap[0] >= GAP_COUNTED]
+    first, _ = makespan(spans)
+    shown = ", ".join(f"device {d} {t:.1f} s at +{s - first:.1f} s" for t, d, s in gaps[:GAP_SHOWN])
+    total = sum(gap[0] for gap in gaps)
+    lines = [f"idle gaps over {GAP_COUNTED} s: {len(gaps)}, {total:.1f} device-s"]
+    lines[0] += f"; longest: {shown}" if gaps else ""
+    unused = [str(d) for d in devices if d not in used]
+    if unused:
+        lines.append(f"devices never used: {', '.join(unused)}")
+    return lines
+
+
+def _gang_lines(events: list[GangEvent]) -> list[str]:
+    causes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for event in events:
+        causes[event.world_size, event.kind][event.cause] += 1
+    lines = []
+    for size in sorted({size for size, _ in causes}):
+        parts = []
+        for kind, word in (("start", "started"), ("retire", "retired")):
+            counts = causes.get((size, kind))
+            if counts:
+                why = ", ".join(f"{n} {cause}" for cause, n in sorted(counts.items()))
+                parts.append(f"{sum(counts.values())} {word} ({why})")
+        lines.append(f"gangs of {size}: " + "; ".join(parts))
+    return lines
+
+
+def _size_lines(spans: list[Span]) -> list[str]:
+    per_size: dict[int | None, list[Span]] = defaultdict(list)
+    for span in spans:
+        per_size[span.world_size].append(span)
+    lines = []
+    for size in sorted(per_size, key=lambda s: s or 0):
+        group = per_size[size]
+        seconds = sum(s.seconds for s in group)
+        lines.append(f"{_ws(size)}: {len(group)} tests, {seconds:.1f} s")
+    return lines
+
+
+def _ws(size: int | None) -> str:
+    return f"ws{size}" if size else "driver"
