@@ -59,6 +59,8 @@ from .zygote_client import ZygoteClient
 
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
+pytest_plugins = ["xdist_megatron.torchrun_coverage"]  # hooks that must precede pytest-cov's
+
 RUNTIME = pytest.StashKey["Runtime"]()
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
 TIMEOUT = pytest.StashKey[float]()

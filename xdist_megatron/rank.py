@@ -130,6 +130,7 @@ def finish_line() -> None:
     driver bounds the wait (a peer that never comes is hung or dead)."""
     global _finish_lines
     assert _store is not None and _info is not None and _send is not None
+    rank_coverage.publish()  # a peer that hangs has the gang killed while this one waits here
     _send(AtFinishLine(_info.rank))  # a peer still running after this one failed is stuck
     _finish_lines += 1
     key = f"xdist-megatron/finished/{_finish_lines}"

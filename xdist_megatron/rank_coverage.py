@@ -53,7 +53,7 @@ def driver_target() -> CoverageTarget | None:
     """Where this driver's zygote and ranks send their coverage; None when it is not measured."""
     global _target
     if _target is None:
-        cov = _current()
+        cov = current()
         if cov is None:
             return None
         if not hasattr(cov.config, "serialize"):
@@ -80,13 +80,9 @@ def zygote_env(env: dict[str, str]) -> dict[str, str]:
 def combine_into_driver() -> None:
     """Add what the zygote and the ranks published so far to the driver's measurement (the
     files are consumed)."""
-    cov = _current()
-    if _target is None or cov is None:
-        return
-    published = sorted(glob.glob(os.path.join(_target.store, "*" + PUBLISHED)))
-    if published:
-        with contextlib.redirect_stdout(io.StringIO()):  # `coverage run` names each file
-            cov.combine(published)
+    cov = current()
+    if _target is not None and cov is not None:
+        combine(cov, _target.store)
 
 
 def _last_combine() -> None:
@@ -97,29 +93,28 @@ def _last_combine() -> None:
         _target = None
 
 
-def _current() -> Any:
+def current() -> Any:
     """The running coverage.Coverage of this process, without importing coverage."""
     module = sys.modules.get("coverage")
     return None if module is None else module.Coverage.current()
 
 
 class Recorder:
-    """This process's own measurement with the driver's configuration, published whole."""
+    """This process's own measurement, published whole into a store folder."""
 
-    def __init__(self, target: CoverageTarget, name: str) -> None:
-        from coverage import Coverage
-
-        base = os.path.join(target.store, f"{name}-{os.getpid()}")
+    def __init__(self, cov: Any, store: str, name: str) -> None:
+        """`cov`: a coverage.Coverage not started yet, configured as the driver's."""
+        base = os.path.join(store, f"{name}-{os.getpid()}")
         self._live = base + ".live"  # written in place by coverage (a kill may corrupt it)
         self._published = base + PUBLISHED
-        self.cov = Coverage(config_file=CONFIG_DATA_PREFIX + target.config)
-        self.cov.set_option("run:data_file", self._live)
-        self.cov.set_option("run:parallel", False)
-        self.cov.set_option("run:sigterm", False)  # our ranks' signals stay ours
-        self.cov.set_option("run:patch", [])  # forks and exits here are ours to handle
-        quiet = list(self.cov.get_option("run:disable_warnings") or []) + list(QUIET_WARNINGS)
-        self.cov.set_option("run:disable_warnings", quiet)
-        self.cov.start()
+        self.cov = cov
+        cov.set_option("run:data_file", self._live)
+        cov.set_option("run:parallel", False)
+        cov.set_option("run:sigterm", False)  # our ranks' signals stay ours
+        cov.set_option("run:patch", [])  # forks and exits here are ours to handle
+        quiet = list(cov.get_option("run:disable_warnings") or []) + list(QUIET_WARNINGS)
+        cov.set_option("run:disable_warnings", quiet)
+        cov.start()
 
     def publish(self) -> None:
         self.cov.save()
@@ -141,7 +136,29 @@ def measure(target: CoverageTarget | None, name: str) -> None:
         _recorder.stop()
         _recorder = None
     if target is not None:
-        _recorder = Recorder(target, name)
+        from coverage import Coverage
+
+        cov = Coverage(config_file=CONFIG_DATA_PREFIX + target.config)
+        _recorder = Recorder(cov, target.store, name)
+
+
+def measure_with(cov: Any, store: str, name: str) -> None:
+    """Measure this process with `cov` (configured, not started), publishing into `store`."""
+    global _recorder
+    _recorder = Recorder(cov, store, name)
+
+
+def combine(cov: Any, store: str) -> None:
+    """Add the data files published in `store` to `cov`'s measurement (they are consumed)."""
+    published = sorted(glob.glob(os.path.join(store, "*" + PUBLISHED)))
+    if published:
+        with contextlib.redirect_stderr(io.StringIO()):  # `coverage run` counts the files
+            cov.combine(published)
+
+
+def measured() -> bool:
+    """Whether this process measures itself for another (a driver, or torchrun's rank 0)."""
+    return _recorder is not None
 
 
 def publish() -> None:
