@@ -50,7 +50,6 @@ def command(mode: str, measured: bool, source: str, nproc: int) -> list[str]:
         launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         if measured:
             launch += ["-m", "coverage", "run", "--parallel-mode", f"--source={source}"]
-            pytest_args = pytest_args[1:]  # `coverage run -m pytest`, not `python -m`
         return [sys.executable, *launch, *pytest_args]
     extra = ["-n", "auto", "--dist", "megatron"] if mode == "xdist" else []
     cov = [f"--cov={source}", "--cov-report="] if measured else []
