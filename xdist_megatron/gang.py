@@ -20,7 +20,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from . import placement
+from . import placement, rank_coverage
 from . import stacks as stacks_
 from .capture import output_paths
 from .protocol import (
@@ -158,6 +158,7 @@ class Gang:
             driver_pid=os.getpid(),
             stack_path=self._stack_path(port, rank),
             start_timeout=START_TIMEOUT,
+            coverage=rank_coverage.driver_target(),
         )
 
     def _await_ready(self) -> None:

@@ -29,6 +29,7 @@ from . import (
     metadata,
     placement,
     preload_cache,
+    rank_coverage,
     run_report,
     selection,
 )
@@ -61,12 +62,16 @@ from .zygote_client import ZygoteClient
 
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
+pytest_plugins = ["xdist_megatron.torchrun_coverage"]  # hooks that must precede pytest-cov's
+
 RUNTIME = pytest.StashKey["Runtime"]()
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
 TIMEOUT = pytest.StashKey[float]()
 ITEMS = pytest.StashKey[list]()
 FOLLOWER = pytest.StashKey[ImportFollower]()
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's config is made
+# pytest-cov off in a rank's session, its disabled plugin unregistered (it would fail no_cover).
+_NO_COV = ("--no-cov", "-p", "no:_cov")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -125,10 +130,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     """Start the zygote's imports beside the driver's own, before the conftest files import the
-    suite's packages (see import_follower)."""
+    suite's packages (see import_follower); after pytest-cov started measuring (its hook is
+    tryfirst), so that a zygote started at once measures its preloads too."""
     follower = _follow_imports(early_config)
     if follower is not None:
         early_config.stash[FOLLOWER] = follower
@@ -302,8 +307,9 @@ class Runtime:
                 invocation_dir=str(config.invocation_params.dir),
                 sys_path=list(sys.path),
                 basetemp=str(base / "ranks"),
-                # pytest-cov would start on each rank and write the driver's data files.
-                extra=("--no-cov",) if config.pluginmanager.hasplugin("_cov") else (),
+                # pytest-cov would start on each rank and write the driver's data files; the
+                # rank measures itself for the driver (rank_coverage).
+                extra=_NO_COV if config.pluginmanager.hasplugin("_cov") else (),
             )
         return self._session_args
 
@@ -649,6 +655,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 # -- running ------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtestloop(session: pytest.Session) -> Generator:
+    """A measured driver ends its gangs and zygote with the test loop and adds their coverage
+    to its own, inside pytest-cov's wrapper: before it combines and reports."""
+    try:
+        return (yield)
+    finally:
+        if rank_coverage.targeted():
+            session.config.stash[RUNTIME].close()
+            rank_coverage.combine_into_driver()
 
 
 @pytest.hookimpl(wrapper=True)

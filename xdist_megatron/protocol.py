@@ -19,6 +19,15 @@ class RankInfo(NamedTuple):
 
 
 @dataclass(frozen=True)
+class CoverageTarget:
+    """Where a measured driver wants the coverage of its zygote's and ranks' code: measured with
+    its own configuration (coverage's serialized form) and published into its store folder."""
+
+    config: str
+    store: str
+
+
+@dataclass(frozen=True)
 class RankSpec:
     """What the zygote needs to turn a fork into rank `rank` of a gang."""
 
@@ -32,6 +41,7 @@ class RankSpec:
     driver_pid: int
     stack_path: str
     start_timeout: float
+    coverage: CoverageTarget | None = None  # measure this rank (the driver measures itself)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from . import rank_coverage
 from .capture import FdCapture, capture_prefix
 from .protocol import (
     FAILED,
@@ -69,6 +70,7 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     os.environ.clear()
     os.environ.update(spec.env)
     os.environ[ZYGOTE_VAR] = zygote_pid
+    rank_coverage.measure(spec.coverage, f"rank{spec.rank}")
     global _send
     conn = Connection(sock_fd)
     _send = conn.send
@@ -89,6 +91,7 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
             return 0
         if isinstance(job, ShutdownJob):
             runner.finish()
+            rank_coverage.publish()
             _leave_process_group()
             return 0
         runner.run(job)
@@ -127,6 +130,7 @@ def finish_line() -> None:
     driver bounds the wait (a peer that never comes is hung or dead)."""
     global _finish_lines
     assert _store is not None and _info is not None and _send is not None
+    rank_coverage.publish()  # a peer that hangs has the gang killed while this one waits here
     _send(AtFinishLine(_info.rank))  # a peer still running after this one failed is stuck
     _finish_lines += 1
     key = f"xdist-megatron/finished/{_finish_lines}"
@@ -198,6 +202,7 @@ class _JobRunner:
         result.stdout, result.stderr = out.stdout, out.stderr
         result.duration = time.perf_counter() - start
         self.send(result)
+        rank_coverage.publish()  # while the driver reads the result: a kill loses one job's lines
 
     def finish(self) -> None:
         """End of the gang: the session's fixtures and hooks end (errors go to the log)."""
@@ -239,6 +244,7 @@ class _JobRunner:
         from .rank_session import RankSession
 
         self.session = RankSession(job.session, self.rank, self._send_report)
+        rank_coverage.follow_tests(self.session.config)
         # Start-up is after the session's own configuration (pytest sets PYTEST_VERSION, say).
         self._in_process_rank().set_startup(state.snapshot())
 

@@ -1,7 +1,8 @@
 """The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
 
 Started by its owner as `python -m xdist_megatron.zygote FD OPTIONS_JSON`, with FD one end of a
-socket pair and the options `preload`, `standby`, `address` and `cuda`; with an address it also
+socket pair and the options `preload`, `standby`, `address`, `cuda` and `coverage` (a measured
+owner's CoverageTarget: the preloads are measured and published for it); with an address it also
 listens on that abstract Unix socket for more drivers (the workers of an xdist run share the
 controller's zygote: one import of the heavy packages per host instead of one per worker). It
 never initialises CUDA, so its forks can; where the ranks will use CUDA, a preload that touched
@@ -29,7 +30,17 @@ import warnings
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .protocol import Forked, ForkRanks, Leave, Preload, Preloaded, RankExited, SignalRanks
+from . import rank_coverage
+from .protocol import (
+    CoverageTarget,
+    Forked,
+    ForkRanks,
+    Leave,
+    Preload,
+    Preloaded,
+    RankExited,
+    SignalRanks,
+)
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"  # the zygote's pid, in it and in its ranks
@@ -164,6 +175,7 @@ class Zygote:
             self.standby_target = max(self.standby_target, request.standby)
             modules = [m for m in request.modules if m not in sys.modules]
             failures, breaks_cuda = preload(modules, self.cuda)
+            rank_coverage.publish()
             gc.freeze()
             if breaks_cuda:  # ranks running now are unharmed; no later fork is made
                 self.breaks_cuda += breaks_cuda
@@ -310,7 +322,10 @@ def main(argv: list[str]) -> int:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # queue while we import
         listener.bind("\0" + address)
         listener.listen(128)
+    coverage = options.get("coverage")
+    rank_coverage.measure(CoverageTarget(**coverage) if coverage else None, "zygote")
     failures, breaks_cuda = preload(modules, options["cuda"])
+    rank_coverage.publish()
     # Everything imported so far lives as long as every rank: keep it out of every later
     # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
     gc.collect()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from typing import IO, Any
 
 import xdist_megatron
 
+from . import rank_coverage
 from .protocol import ForkRanks, Leave, Preload, RankExited, RankSpec, SignalRanks
 
 ZYGOTE_START_TIMEOUT = 600.0  # importing megatron + TE cold can take minutes on a loaded CI host
@@ -43,7 +45,14 @@ class ZygoteClient:
         whether its ranks will use CUDA (only then may a preload not touch the CUDA driver)."""
         self.cuda = cuda
         ours, theirs = socket.socketpair()
-        options = {"preload": preload, "standby": standby, "address": address, "cuda": cuda}
+        coverage = rank_coverage.driver_target()
+        options = {
+            "preload": preload,
+            "standby": standby,
+            "address": address,
+            "cuda": cuda,
+            "coverage": dataclasses.asdict(coverage) if coverage else None,
+        }
         command = [
             sys.executable,
             "-m",
@@ -218,7 +227,7 @@ def _zygote_env() -> dict[str, str]:
     # The zygote must import this package even when it is run from a source checkout.
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(xdist_megatron.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    return env
+    return rank_coverage.zygote_env(env)
 
 
 def describe_exit(code: int | None) -> str:
