@@ -261,6 +261,35 @@ def test_where_imported():
     result.assert_outcomes(passed=1)
 
 
+def test_project_libraries_are_preloaded_test_helpers_are_not(pytester, run_pytest):
+    """The project's own library beside its tests (Megatron-LM's `megatron/training`, imported by
+    its unit tests' conftest) is preloaded like an installed one; a helper module in the tests'
+    folder, and a package named test*, stay for each rank to import."""
+    record = "import os\nIMPORTED_BY = os.getpid()\n"
+    pytester.mkpydir("mylib").joinpath("__init__.py").write_text(record)
+    pytester.mkpydir("testing_utils").joinpath("__init__.py").write_text(record)
+    tests = pytester.mkdir("tests")
+    (tests / "conftest.py").write_text("import mylib\nimport testing_utils\n")
+    (tests / "helper.py").write_text(record)
+    (tests / "test_where.py").write_text(
+        """
+import os
+import helper
+import mylib
+import pytest
+import testing_utils
+
+@pytest.mark.world_size(1)
+def test_where_imported():
+    assert mylib.IMPORTED_BY == os.getppid()  # the zygote
+    assert helper.IMPORTED_BY == os.getpid()  # this rank
+    assert testing_utils.IMPORTED_BY == os.getpid()
+"""
+    )
+    result = run_pytest("--megatron-timeout", "60", "tests")
+    result.assert_outcomes(passed=1)
+
+
 EARLY_SUITE = """
 import os
 import pytest

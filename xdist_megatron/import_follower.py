@@ -1,10 +1,11 @@
 """Starts the zygote while the driver is still importing the suite (its conftest files, then its
-test modules), and has it import the same third-party packages as the driver imports them.
+test modules), and has it import the same library packages as the driver imports them (which
+are libraries: `preloadable.py`).
 
 Without it the zygote's imports begin after collection, and the first gang waits for all of
 them: torch and megatron.core take ~15 s on an H200 host, as long as the driver took to import
 them. The zygote starts when the driver imports torch (a suite that never does needs no gangs)
-and follows with each installed package the driver has imported since, polled a few times a
+and follows with each library package the driver has imported since, polled a few times a
 second; the package list collection found is added afterwards, as before.
 """
 
@@ -15,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from .preloadable import Preloadable
 from .zygote_client import ZygoteClient
 
 POLL_SECONDS = 0.05
@@ -28,12 +30,12 @@ class ImportFollower:
     def __init__(
         self,
         start: Callable[[list[str]], ZygoteClient],
-        preloadable: Callable[[str], set[str]],
+        preloadable: Preloadable,
         configured: list[str],
         session_dir: str,
     ) -> None:
-        """`start(modules)` spawns the zygote; `preloadable(name)` says which modules a
-        top-level name stands for (see the plugin's `_preloadable`); `configured` preloads
+        """`start(modules)` spawns the zygote; `preloadable` says which modules a top-level
+        name stands for, once shown the test modules imported so far; `configured` preloads
         start the zygote at once. `session_dir` holds its log; the session takes it over."""
         self._start = start
         self._preloadable = preloadable
@@ -90,10 +92,11 @@ class ImportFollower:
             found.append(self._wanted.get())
         fresh = [name for name in list(sys.modules) if name not in self._seen]
         self._seen.update(fresh)
+        self._preloadable.note(sys.modules.get(name) for name in fresh)
         for name in fresh:
             top, _, rest = name.partition(".")
             if not rest or ("." not in rest and _is_namespace(sys.modules.get(top))):
-                found += sorted(self._preloadable(name))
+                found += sorted(self._preloadable.modules(name))
         new = [name for name in dict.fromkeys(found) if name not in self._sent]
         self._sent.update(new)
         if self.zygote is None:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import gc
 import math
 import os
 import shutil
 import sys
-import sysconfig
 import tempfile
 import uuid
 from collections.abc import Callable, Generator
@@ -55,12 +53,11 @@ from .locks import DeviceLocks
 from .markers import WORLD_SIZE
 from .placement import DeviceSet
 from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
+from .preloadable import Preloadable
 from .protocol import FAILED, CleanupJob, RankInfo, SessionArgs
 from .run_facts import RunFacts
 from .scheduler import INPUT_KEY
 from .zygote_client import ZygoteClient
-
-NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
 pytest_plugins = ["xdist_megatron.torchrun_coverage"]  # hooks that must precede pytest-cov's
 
@@ -68,6 +65,7 @@ RUNTIME = pytest.StashKey["Runtime"]()
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
 TIMEOUT = pytest.StashKey[float]()
 ITEMS = pytest.StashKey[list]()
+PRELOADABLE = pytest.StashKey[Preloadable]()
 FOLLOWER = pytest.StashKey[ImportFollower]()
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's config is made
 # pytest-cov off in a rank's session, its disabled plugin unregistered (it would fail no_cover).
@@ -119,7 +117,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(
         "megatron_preload",
         "modules the zygote imports once for every rank, at its start (default: torch, "
-        "torch.distributed and the third-party packages the driver imports, as it imports them)",
+        "torch.distributed and the library packages the driver imports, as it imports them)",
         type="linelist",
     )
     parser.addini(
@@ -159,13 +157,17 @@ def _follow_imports(config: pytest.Config) -> ImportFollower | None:
         preload = list(dict.fromkeys([*BASE_PRELOAD, *modules]))
         return _spawn_zygote(preload, log, address, cuda)
 
-    rootdir = str(config.rootpath)
     return ImportFollower(
-        start,
-        lambda name: _preloadable(name, rootdir),
-        config.getini("megatron_preload"),
-        session_dir,
+        start, preloadable_of(config), config.getini("megatron_preload"), session_dir
     )
+
+
+def preloadable_of(config: pytest.Config) -> Preloadable:
+    """The session's one judge of what the zygote may import (it learns the test folders)."""
+    if PRELOADABLE not in config.stash:
+        rootdir = str(config.rootpath)
+        config.stash[PRELOADABLE] = Preloadable(rootdir, config.getini("python_files"))
+    return config.stash[PRELOADABLE]
 
 
 def _shared_zygote_address() -> str:
@@ -437,13 +439,12 @@ class Runtime:
         return seconds or math.inf
 
     def preload(self) -> list[str]:
-        """megatron_preload, or the third-party modules the collected test modules imported (what
+        """megatron_preload, or the library modules the collected test modules imported (what
         the import follower sent besides is not asked again)."""
         configured = self.config.getini("megatron_preload")
         if configured:
             return list(dict.fromkeys([*BASE_PRELOAD, *configured]))
-        items = self.config.stash.get(ITEMS, [])
-        found = _third_party_imports(items, str(self.config.rootpath))
+        found = preloadable_of(self.config).imported_by(self.config.stash.get(ITEMS, []))
         return list(dict.fromkeys([*BASE_PRELOAD, *found]))
 
     def early_preload(self) -> list[str] | None:
@@ -486,65 +487,6 @@ class Runtime:
         if not self.xdist and self._session_dir is not None:  # workers use the controller's
             shutil.rmtree(self._session_dir, ignore_errors=True)
             self._session_dir = None
-
-
-def _third_party_imports(items: list[pytest.Item], rootdir: str) -> list[str]:
-    """Modules the collected test modules imported that are third-party code (see
-    `_is_third_party`)."""
-    found: set[str] = set()
-    test_modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m is not None}
-    for module in test_modules.values():
-        for value in list(vars(module).values()):
-            if isinstance(value, type(sys)):
-                source = value.__name__
-            else:
-                source = getattr(value, "__module__", None)
-            if isinstance(source, str):
-                found |= _preloadable(source, rootdir)
-    return sorted(found)
-
-
-def _preloadable(module_name: str, rootdir: str) -> set[str]:
-    """The module if it is third-party code; for a namespace package (`import megatron.core`
-    binds `megatron`, which has no file), its imported third-party children. Not a script run
-    as `__main__`, nor a module registered under another name than its own."""
-    if module_name.partition(".")[0] in NOT_PRELOADED:
-        return set()
-    module = sys.modules.get(module_name)
-    if getattr(module, "__name__", None) != module_name or module_name.startswith("__"):
-        return set()
-    if getattr(module, "__file__", None):
-        return {module_name} if _is_third_party(module, rootdir) else set()
-    depth = module_name.count(".") + 1
-    return {
-        name
-        for name, child in list(sys.modules.items())
-        if name.startswith(module_name + ".")
-        and name.count(".") == depth
-        and _is_third_party(child, rootdir)
-    }
-
-
-def _is_third_party(module: Any, rootdir: str) -> bool:
-    """Installed code: in a site-packages folder, or outside both the project (the rootdir) and
-    the standard library (a `pip install --target` folder or a vendored tree on PYTHONPATH)."""
-    path = getattr(module, "__file__", None)
-    if not path:
-        return False
-    if "site-packages" in path or "dist-packages" in path:
-        return True
-    path = os.path.realpath(path)
-    return not any(_inside(path, folder) for folder in {*_stdlib(), os.path.realpath(rootdir)})
-
-
-@functools.cache
-def _stdlib() -> frozenset[str]:
-    """The standard library's folders (asked once, not for every imported name)."""
-    return frozenset(os.path.realpath(sysconfig.get_path(n)) for n in ("stdlib", "platstdlib"))
-
-
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
 
 
 # -- collection -------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""Which of the driver's imports the zygote may import ahead of the ranks: library code, installed
+or the project's own, never test code (the zygote imports no test module, conftest file or helper
+beside them: each rank imports those itself, in its own session, after its conftest files).
+
+The project's own code counts as a library where it lies outside every test folder (a folder
+holding a conftest file or a test module, by `python_files`) and no package on its dotted path is
+named `test*`. Megatron-LM keeps `megatron/training` beside `tests/`, and its unit tests' conftest
+imports it (and transformers with it): ~2 s each rank paid before its first test, and again on
+every replacement gang, when only installed packages were preloaded.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
+
+
+class Preloadable:
+    """Sorts imported modules into library code (preloadable) and test code; learns the test
+    folders from the modules it is shown (`note`) before it is asked about them."""
+
+    def __init__(self, rootdir: str, python_files: list[str]) -> None:
+        self.rootdir = os.path.realpath(rootdir)
+        self.patterns = [*python_files, "conftest.py"]
+        self.test_dirs: set[str] = set()
+
+    def note(self, modules: Iterable[Any]) -> None:
+        """Test modules and conftest files among `modules` make their folders test folders."""
+        for module in modules:
+            path = getattr(module, "__file__", None)
+            if path and any(fnmatch.fnmatch(os.path.basename(path), p) for p in self.patterns):
+                self.test_dirs.add(os.path.dirname(os.path.realpath(path)))
+
+    def modules(self, module_name: str) -> set[str]:
+        """The module if it is library code; for a namespace package (`import megatron.core`
+        binds `megatron`, which has no file), its imported library children. Not a script run
+        as `__main__`, nor a module registered under another name than its own."""
+        if module_name.partition(".")[0] in NOT_PRELOADED:
+            return set()
+        module = sys.modules.get(module_name)
+        if getattr(module, "__name__", None) != module_name or module_name.startswith("__"):
+            return set()
+        if getattr(module, "__file__", None):
+            return {module_name} if self.is_library(module) else set()
+        depth = module_name.count(".") + 1
+        return {
+            name
+            for name, child in list(sys.modules.items())
+            if name.startswith(module_name + ".")
+            and name.count(".") == depth
+            and self.is_library(child)
+        }
+
+    def is_library(self, module: Any) -> bool:
+        """Installed code (site-packages, or a folder outside the project and the standard
+        library, such as a `pip install --target` tree), or the project's own outside its tests."""
+        path = getattr(module, "__file__", None)
+        if not path:
+            return False
+        if "site-packages" in path or "dist-packages" in path:
+            return True
+        path = os.path.realpath(path)
+        if any(_inside(path, folder) for folder in _stdlib()):
+            return False
+        if not _inside(path, self.rootdir):
+            return True
+        names = module.__name__.split(".")
+        if any(name.startswith("test") or name == "conftest" for name in names):
+            return False
+        return not any(_inside(path, folder) for folder in self.test_dirs)
+
+    def imported_by(self, items: list[pytest.Item]) -> list[str]:
+        """Library modules the collected test modules imported (collection is over: every test
+        folder is known by now)."""
+        self.note(list(sys.modules.values()))
+        found: set[str] = set()
+        test_modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m}
+        for module in test_modules.values():
+            for value in list(vars(module).values()):
+                if isinstance(value, type(sys)):
+                    source = value.__name__
+                else:
+                    source = getattr(value, "__module__", None)
+                if isinstance(source, str):
+                    found |= self.modules(source)
+        return sorted(found)
+
+
+@functools.cache
+def _stdlib() -> frozenset[str]:
+    """The standard library's folders (asked once, not for every imported name)."""
+    return frozenset(os.path.realpath(sysconfig.get_path(n)) for n in ("stdlib", "platstdlib"))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
