@@ -446,3 +446,12 @@ def test_a_preload_error_that_mentions_cuda_does_not_stop_the_zygote(tmp_path, m
     finally:
         zygote.close()
     assert_no_processes_left(tag)
+
+
+def test_the_zygote_module_runs_once(pytester, run_pytest):
+    """The zygote runs as `python -m xdist_megatron.zygote`: the package must not import that
+    module first, or it runs twice and Python warns on the terminal of every session."""
+    pytester.makepyfile("import pytest\n\n@pytest.mark.world_size(1)\ndef test_one():\n    pass\n")
+    result = run_pytest("-s", "--megatron-timeout", "60")
+    result.assert_outcomes(passed=1)
+    assert "found in sys.modules" not in result.stderr.str() + result.stdout.str()

@@ -17,8 +17,7 @@ import pytest
 from . import layouts, markers
 from .holdings import ScopeHoldings
 from .metadata import module_of
-from .protocol import RankInfo
-from .zygote import ZYGOTE_VAR
+from .protocol import ZYGOTE_VAR, RankInfo
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 PLUGIN_NAME = "xdist-megatron-rank"

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+# In the zygote's environment and its ranks': the zygote's pid (a rank knows it is one by it).
+ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"
+
 
 class RankInfo(NamedTuple):
     """Where the calling code runs: returned by `xdist_megatron.rank_info()`."""

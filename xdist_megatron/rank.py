@@ -25,6 +25,7 @@ from .capture import FdCapture, capture_prefix
 from .protocol import (
     FAILED,
     PASSED,
+    ZYGOTE_VAR,
     AtFinishLine,
     CallJob,
     CleanupJob,
@@ -38,7 +39,6 @@ from .protocol import (
     ShutdownJob,
     TestJob,
 )
-from .zygote import ZYGOTE_VAR
 
 STACK_SIGNAL = signal.SIGUSR1
 ENV_RENDEZVOUS_PREFIX = "default_pg/"  # where init_process_group("env://") puts its keys

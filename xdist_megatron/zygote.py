@@ -32,6 +32,7 @@ from typing import Any
 
 from . import rank_coverage
 from .protocol import (
+    ZYGOTE_VAR,
     CoverageTarget,
     Forked,
     ForkRanks,
@@ -43,7 +44,6 @@ from .protocol import (
 )
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
-ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"  # the zygote's pid, in it and in its ranks
 WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
 
