@@ -116,11 +116,13 @@ def test_unmarked_tests_count_as_world_size_one_unless_given_a_size(run_pytest, 
         (("--megatron-shard", "5/4"), "--megatron-shard: expected K/N*'5/4'"),
         (("--megatron-store-durations",), "--megatron-store-durations needs --megatron-dur*"),
         (("--megatron-durations", "bad.json"), "--megatron-durations*bad.json: expected*"),
+        (("--megatron-durations", "list.json"), "--megatron-durations*list.json: expected*"),
     ],
 )
 def test_malformed_options_are_usage_errors_naming_the_option(run_pytest, pytester, args, message):
     pytester.makepyfile(test_sizes=SIZES_MODULE)
     (pytester.path / "bad.json").write_text('{"tests": []}')
+    (pytester.path / "list.json").write_text("[1, 2]")  # JSON, but not an object
     result = run_pytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}"])

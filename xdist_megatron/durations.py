@@ -77,7 +77,9 @@ def read_file(path: Path) -> dict[str, Timing]:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    tests = data.get("tests") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        data = {}
+    tests = data.get("tests")
     if data.get("version") != FILE_VERSION or not isinstance(tests, dict):
         raise ValueError(f'expected {{"version": {FILE_VERSION}, "tests": {{nodeid: ...}}}}')
     return {
