@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
+from .metadata import module_of
+
 TIMELINE_VERSION = 1
 GAP_SHOWN = 3  # the longest idle gaps the terminal names
 GAP_COUNTED = 0.1  # seconds: shorter gaps are the plugin's own between tests, not idle devices
@@ -94,7 +96,7 @@ def summary(spans: list[Span], events: list[GangEvent], devices: tuple[int, ...]
     )
     units: dict[tuple[str, int | None], float] = defaultdict(float)
     for span in spans:
-        units[span.nodeid.split("::")[0], span.world_size] += span.seconds
+        units[module_of(span.nodeid), span.world_size] += span.seconds
     longest = sorted(units.items(), key=lambda u: -u[1])[:UNITS_SHOWN]
     lines.append("longest units: " + ", ".join(f"{m} {_ws(s)} {t:.1f} s" for (m, s), t in longest))
     return lines + _idle_lines(spans, devices)
