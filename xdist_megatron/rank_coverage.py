@@ -142,8 +142,7 @@ def measure(target: CoverageTarget | None, name: str) -> None:
     if target is not None:
         from coverage import Coverage
 
-        cov = Coverage(config_file=CONFIG_DATA_PREFIX + target.config)
-        _recorder = Recorder(cov, target.store, name)
+        measure_with(Coverage(config_file=CONFIG_DATA_PREFIX + target.config), target.store, name)
 
 
 def measure_with(cov: Any, store: str, name: str) -> None:
