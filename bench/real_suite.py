@@ -11,6 +11,10 @@ A suite written for `torchrun --nproc-per-node N -m pytest` (Megatron-LM's unit 
             segfaults, one whose rank 1 hangs while rank 0 waits in a barrier. The plugin runs with
             `--megatron-timeout 20`; torchrun and its ranks are killed at `--fault-cap` s.
 
+With `--rounds R` the runs of the first three modes repeat R times, each round starting with the
+next mode (the first run of a sitting meets cold caches), and a table gives each mode's wall time
+per round, its median, and the median's ratio to torchrun's.
+
 Per run it prints the wall time, the sum of the tests' junit times, the outcome counts and the
 tests that got no report (`lost`: collected by `pytest --collect-only`, absent from the run's
 junit), then every test whose outcome differs between the runs. A torchrun run that dies writes no
@@ -32,6 +36,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +51,7 @@ from _util import header_lines, machine, table, write_json
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
 MODES = ("torchrun", "serial", "xdist", "faults")
+TIMED = MODES[:3]  # the modes --rounds repeats
 LOST = "lost"
 SEVERITY = ("failed", "error", "skipped", "passed")  # worst first
 JUNIT_OUTCOMES = {"failure": "failed"}
@@ -153,6 +159,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("first", "last"),
         default="first",
         help="where the injected tests sort in the folder (default first)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat the timed modes, rotating their order"
     )
     parser.add_argument("--max-diff", type=int, default=60, help="rows of a differences table")
     parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
@@ -412,19 +421,25 @@ def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: 
 
 
 def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Run]:
-    runs, expected = [], []
-    if {"torchrun", "serial", "xdist"} & set(modes):
+    runs = []
+    timed = [mode for mode in TIMED if mode in modes]
+    if timed:
         expected = collect(plan.testdir, plan.cwd, plan.pytest_args)
-    if "torchrun" in modes:
-        runs.append(run_torchrun(plan, "torchrun", plan.testdir, plan.cap, expected))
-    if "serial" in modes:
-        runs.append(run_plugin(plan, "serial", plan.testdir, [], expected))
-    if "xdist" in modes:
-        xdist = ["-n", plan.workers, "--dist", "megatron"]
-        runs.append(run_plugin(plan, "xdist", plan.testdir, xdist, expected))
+        for index in range(args.rounds):
+            first = index % len(timed)
+            for mode in timed[first:] + timed[:first]:
+                name = mode if args.rounds == 1 else f"{mode}#{index + 1}"
+                runs.append(run_timed(plan, mode, name, expected))
     if "faults" in modes:
         runs.extend(run_faults(plan, args))
     return runs
+
+
+def run_timed(plan: Plan, mode: str, name: str, expected: list[str]) -> Run:
+    if mode == "torchrun":
+        return run_torchrun(plan, name, plan.testdir, plan.cap, expected)
+    xdist = ["-n", plan.workers, "--dist", "megatron"] if mode == "xdist" else []
+    return run_plugin(plan, name, plan.testdir, xdist, expected)
 
 
 def run_faults(plan: Plan, args: argparse.Namespace) -> list[Run]:
@@ -481,6 +496,23 @@ def summary_table(runs: list[Run]) -> str:
     return table(headers, rows)
 
 
+def rounds_table(runs: list[Run]) -> str:
+    """Each timed mode's wall time per round, its median, and the median against torchrun's."""
+    walls: dict[str, list[float]] = {}
+    for run in runs:
+        mode, _, _ = run.name.partition("#")
+        if mode in TIMED:
+            walls.setdefault(mode, []).append(run.wall)
+    medians = {mode: statistics.median(values) for mode, values in walls.items()}
+    rounds = max(len(values) for values in walls.values())
+    headers = ["mode", *(f"round {i + 1}" for i in range(rounds)), "median", "x torchrun"]
+    rows = []
+    for mode, values in walls.items():
+        ratio = f"{medians[mode] / medians['torchrun']:.2f}" if "torchrun" in medians else "-"
+        rows.append([mode, *(f"{v:.1f}" for v in values), f"{medians[mode]:.1f}", ratio])
+    return table(headers, rows)
+
+
 def differences(runs: list[Run]) -> list[str]:
     """Keys whose outcome is not the same in every run (a missing report counts as 'lost')."""
     keys = dict.fromkeys(key for run in runs for key in [*run.expected, *run.tests])
@@ -500,6 +532,8 @@ def differences_table(runs: list[Run], limit: int) -> str:
 def report(runs: list[Run], limit: int) -> None:
     """The summary, the differences between the ordinary runs, then between the faults runs."""
     print(summary_table(runs))
+    if any("#" in run.name for run in runs):
+        print(f"\nwall time (s) per round\n{rounds_table(runs)}")
     for run in runs:
         if run.source == "none" or run.killed or run.returncode not in (0, 1):
             killed = ", killed at its cap" if run.killed else ""
