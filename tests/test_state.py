@@ -223,7 +223,8 @@ def _megatron_teardown(rank: int) -> None:
     assert ps.get_data_parallel_rank() == rank
     dist.new_group([0, 1])
 
-    state.restore(startup)  # restore alone tears it all down too
+    state.cleanup_after_job()  # a module boundary: the per-job cleanup, then the restore
+    state.restore(startup)
     _assert_megatron_clean()
     assert not torch.cuda.is_initialized()
 

@@ -157,7 +157,7 @@ class InProcessRank:
         held = self.holdings
         state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
         if self._startup is not None:
-            state.restore(self._startup, held.groups, keep_libraries=held.megatron)
+            state.restore(self._startup)
         self._groups_at_last_destroy = state.groups_made()
 
     def set_startup(self, startup: Any) -> None:

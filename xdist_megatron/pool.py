@@ -201,13 +201,10 @@ class GangPool:
             self._started_early = True
 
     def adopt(self, zygote: ZygoteClient, log: str) -> None:
-        """Take over a zygote started before collection (logging to `log`); `prestart` adds
-        what collection found."""
-        if self._zygote is None:
-            self._zygote, self._adopted_log = zygote, log
-            self._started_early = True
-        else:
-            zygote.close()
+        """Take over a zygote started before collection (logging to `log`), before any gang
+        started; `prestart` adds what collection found."""
+        self._zygote, self._adopted_log = zygote, log
+        self._started_early = True
 
     def prestart(self) -> None:
         """Start the zygote now, so its imports overlap with whatever runs before the first gang;

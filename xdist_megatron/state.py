@@ -83,19 +83,10 @@ def _numpy_state_changed(before: Any, after: Any) -> bool:
     return repr(before[2:]) != repr(after[2:]) or bool((before[1] != after[1]).any())
 
 
-def restore(
-    state: StartupState, keep_groups: Iterable[object] = (), keep_libraries: bool = False
-) -> None:
-    """Called at a module boundary on every rank (all ranks call it, same order): restore everything
-    recorded. What a live session-scoped fixture holds stays: the groups in `keep_groups` and,
-    with `keep_libraries`, Megatron's and Transformer Engine's state. Raises on failure (the
-    caller then retires the gang)."""
-    # Nothing was initialised at start-up, so the library teardown is the whole restore for them.
-    if not keep_libraries:
-        _teardown_transformer_engine()
-        _teardown_megatron(keep_parallel_state=False)
-    _destroy_process_groups(keep=_kept(keep_groups, keep_libraries))
-    gc.collect()
+def restore(state: StartupState) -> None:
+    """Called at a module boundary on every rank, after `cleanup_after_job` (which let go of the
+    libraries' state and the groups): back to the recorded settings, RNG states and environment."""
+    gc.collect()  # what the module's tests left in reference cycles
     _write_settings(state.settings)
     _restore_rng(state)
     _restore_environ(state.environ)
