@@ -149,28 +149,33 @@ class GangPool:
         return gang
 
     def _start(self, size: int) -> Gang:
-        block = self.block(size)
-        for attempt in (1, 2):
-            gang = Gang(
-                size,
-                self.devices,
-                block,
-                self.backend,
-                zygote=self._live_zygote(),
-                workdir=self._workdir,
-            )
-            self._gangs[size] = gang
-            try:
-                gang.start()
-                self._log_started(size)
-                return gang
-            except ForkRefused as exc:  # another worker's preload spoilt the shared zygote
-                self._gangs.pop(size)
-                if attempt == 2:
-                    raise GangError(str(exc)) from None
-            except GangError as exc:
-                raise GangError(f"{exc}\n{self._log_tail()}") from None
-        raise AssertionError("unreachable")
+        try:
+            return self._start_once(size)
+        except ForkRefused:  # another worker's preload spoilt the shared zygote: _live_zygote
+            try:  # has a fresh one start without it
+                return self._start_once(size)
+            except ForkRefused as exc:
+                raise GangError(str(exc)) from None
+
+    def _start_once(self, size: int) -> Gang:
+        gang = Gang(
+            size,
+            self.devices,
+            self.block(size),
+            self.backend,
+            zygote=self._live_zygote(),
+            workdir=self._workdir,
+        )
+        self._gangs[size] = gang
+        try:
+            gang.start()
+        except ForkRefused:
+            del self._gangs[size]
+            raise
+        except GangError as exc:
+            raise GangError(f"{exc}\n{self._log_tail()}") from None
+        self._log_started(size)
+        return gang
 
     def _log_started(self, size: int) -> None:
         cause = "replaced a retired one" if size in self.gang_names else "first use"

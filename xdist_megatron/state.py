@@ -532,10 +532,12 @@ def _needs_reset(module_name: str) -> bool:
 
 def _reset_parallel_state() -> None:
     parallel_state = sys.modules.get(_PARALLEL_STATE)
+    if parallel_state is None:
+        return
     # destroy_model_parallel() destroys its gloo groups one at a time, joining their threads
     # (4.5 s over Megatron-LM's 280 unit tests on 2 x H200). Let go of here, they go with the
     # test's other groups, on threads and later (see GROUP_LIMIT); it clears the rest.
-    for name, value in list(vars(parallel_state).items()) if parallel_state else ():
+    for name, value in list(vars(parallel_state).items()):
         if isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
     for name in _PARALLEL_STATE_RESETS:
