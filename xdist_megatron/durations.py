@@ -9,13 +9,13 @@ written (merged: this run's tests replace their entries, the others stay) with
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from . import metadata
 
 CACHE_KEY = "xdist_megatron/durations"
 FILE_VERSION = 1
@@ -89,18 +89,14 @@ def read_file(path: Path) -> dict[str, Timing]:
 
 
 def write_file(path: Path, timings: dict[str, Timing]) -> None:
-    """Write atomically, so that a reader (another CI job) never sees half a file."""
+    """Write the durations file, sorted by node id, atomically (another CI job may read it)."""
     tests = {
         n: {"world_size": t.world_size, "duration": round(t.duration, 4)}
         for n, t in timings.items()
     }
     data = {"version": FILE_VERSION, "tests": dict(sorted(tests.items()))}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    metadata.write_json(path, data, indent=1)
 
 
 def load(config: pytest.Config) -> dict[str, float]:
@@ -108,10 +104,13 @@ def load(config: pytest.Config) -> dict[str, float]:
     path = file_path(config)
     if path is not None:
         return {nodeid: timing.duration for nodeid, timing in read_file(path).items()}
+    return _cached(config)
+
+
+def _cached(config: pytest.Config) -> dict[str, float]:
+    """Seconds per node id in the pytest cache (none without a cache)."""
     cache = getattr(config, "cache", None)
-    if cache is None:
-        return {}
-    value = cache.get(CACHE_KEY, {})
+    value = cache.get(CACHE_KEY, {}) if cache is not None else {}
     return value if isinstance(value, dict) else {}
 
 
@@ -136,8 +135,7 @@ class DurationRecorder:
             return
         cache = getattr(self.config, "cache", None)
         if cache is not None:
-            old = cache.get(CACHE_KEY, {})
-            cache.set(CACHE_KEY, {**(old if isinstance(old, dict) else {}), **self.measured})
+            cache.set(CACHE_KEY, {**_cached(self.config), **self.measured})
         path = file_path(self.config)
         if path is not None and self.config.getoption("megatron_store_durations"):
             timings = {n: Timing(self.sizes.get(n), d) for n, d in self.measured.items()}

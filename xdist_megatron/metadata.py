@@ -33,7 +33,7 @@ class ItemInfo:
 
 def write_items(folder: str, worker: str, items: dict[str, ItemInfo]) -> None:
     data = {nodeid: [i.module, i.size, i.cls] for nodeid, i in items.items()}
-    _write_json(Path(folder) / f"{worker}{ITEMS_SUFFIX}", data)
+    write_json(Path(folder) / f"{worker}{ITEMS_SUFFIX}", data)
 
 
 def read_items(folder: str) -> dict[str, ItemInfo]:
@@ -50,7 +50,7 @@ def write_plan(folder: str, unassigned: set[int], pending: dict[int, set[int]]) 
         "unassigned": sorted(unassigned),
         "pending": {str(w): sorted(s) for w, s in pending.items()},
     }
-    _write_json(Path(folder) / PLAN_FILE, data)
+    write_json(Path(folder) / PLAN_FILE, data)
 
 
 def sizes_still_needed(folder: str, worker: int) -> set[int] | None:
@@ -62,9 +62,11 @@ def sizes_still_needed(folder: str, worker: int) -> set[int] | None:
     return set(data["unassigned"]) | set(data["pending"].get(str(worker), []))
 
 
-def _write_json(path: Path, data: object) -> None:
-    """Write atomically: readers see the old file or the new one, never half of one."""
+def write_json(path: Path, data: object, indent: int | None = None) -> None:
+    """Write atomically: readers (a worker, the controller, another CI job) see the old file or
+    the new one, never half of one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
+        json.dump(data, f, indent=indent)
+        f.write("\n")
     os.replace(tmp, path)

@@ -123,12 +123,16 @@ def home_device(devices: DeviceSet, worker: int) -> int:
     return devices.ids[worker % devices.count]
 
 
-def positions(devices: DeviceSet, worker: int, size: int | None) -> frozenset[int]:
+def devices_of(devices: DeviceSet, worker: int, size: int | None) -> tuple[int, ...]:
     """Devices an item occupies while it runs: its gang's block, or the home device (size None)."""
     if size is None:
-        return frozenset({home_device(devices, worker)})
-    block = worker_block(devices, worker, size)
-    return frozenset(block or ())
+        return (home_device(devices, worker),)
+    return worker_block(devices, worker, size) or ()
+
+
+def positions(devices: DeviceSet, worker: int, size: int | None) -> frozenset[int]:
+    """`devices_of`, as a set to compare and combine."""
+    return frozenset(devices_of(devices, worker, size))
 
 
 def to_dict(devices: DeviceSet) -> dict[str, object]:

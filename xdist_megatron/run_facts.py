@@ -55,7 +55,7 @@ class RunFacts:
             return
         item = current["item"]
         size = item.stash.get(WORLD_SIZE, None)
-        devices = self._devices(item, size)
+        devices = placement.devices_of(self.runtime.devices, self.runtime.worker, size)
         facts = [("devices", ",".join(map(str, devices))), ("worker", self.worker)]
         if size is not None:  # an unmarked test ran in the driver: it has no world size
             facts.insert(0, (WORLD_SIZE_PROPERTY, size))
@@ -74,12 +74,6 @@ class RunFacts:
         if hold is not None and hold[0] >= start:
             return hold
         return start, time.time()
-
-    def _devices(self, item: pytest.Item, size: int | None) -> tuple[int, ...]:
-        devices = self.runtime.devices
-        if size is None:
-            return (placement.home_device(devices, self.runtime.worker),)
-        return placement.worker_block(devices, self.runtime.worker, size) or ()
 
     def _pool_facts(self, item: pytest.Item, size: int | None) -> dict[str, Any]:
         """The gang the test ran on, and the gang events since the last test's report."""

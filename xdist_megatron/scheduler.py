@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from . import metadata, placement
+from . import metadata, placement, sharding
 from .metadata import ItemInfo
 
 INPUT_KEY = "xdist_megatron"  # the workerinput key that dist_mode fills
@@ -128,20 +128,17 @@ class MegatronScheduling:
 
     def _enqueue(self, nodeids: Sequence[str]) -> None:
         units: dict[tuple[str, int | None], Unit] = {}
+        unknown = sharding.typical_duration(self._durations.values())
         for nodeid in nodeids:
             info = self._info(nodeid)
             unit = units.setdefault((info.module, info.size), Unit(info.module, info.size))
             unit.nodeids.append(nodeid)
-            unit.duration += self._durations.get(nodeid, self._default_duration())
+            unit.duration += self._durations.get(nodeid, unknown)
         self.queue.extend(units.values())
         self.queue.sort(key=Unit.priority)
 
     def _info(self, nodeid: str) -> ItemInfo:
         return self.infos.get(nodeid) or ItemInfo(metadata.module_of(nodeid), None, None)
-
-    def _default_duration(self) -> float:
-        known = sorted(self._durations.values())
-        return known[len(known) // 2] if known else 1.0
 
     def _fill(self) -> None:
         """Give work to every worker that has fewer than two pending tests, where devices allow."""
