@@ -12,6 +12,27 @@ import pytest
 pytest_plugins = ["pytester"]
 
 TAG_VAR = "XDIST_MEGATRON_TEST_TAG"
+TORCHRUN_VARS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+}
+
+
+def start_from_a_plain_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs this test starts see no rank's, worker's or torchrun's variables (this suite may
+    itself run on one), but keep the test's tag."""
+    for name in list(os.environ):
+        if name in TORCHRUN_VARS or name.startswith(("XDIST_MEGATRON_", "PYTEST_XDIST_")):
+            if name != TAG_VAR:
+                monkeypatch.delenv(name)
 
 
 def processes_tagged(tag: str) -> list[int]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_no_processes_left
+from conftest import assert_no_processes_left, start_from_a_plain_shell
 
 pytest.importorskip("pytest_cov")
 
@@ -101,14 +101,11 @@ def test_hangs_on_rank_1(rank):
 # only_before_a_hang() without the hanging test (with it, rank 0 ran it before its peer hung).
 MISSED = {"pkg/branches.py": [10, 14, 18], "pkg/preloaded.py": [], "pkg/__init__.py": []}
 MISSED_WITH_HANG = {**MISSED, "pkg/branches.py": [10, 14]}
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
 
 
 @pytest.fixture
 def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    for name in list(os.environ):  # runs start from a plain shell, not from a rank or a worker
-        if name in TORCHRUN_VARS or name.startswith(("XDIST_MEGATRON_", "PYTEST_XDIST_")):
-            monkeypatch.delenv(name)
+    start_from_a_plain_shell(monkeypatch)
     monkeypatch.delenv("COVERAGE_PROCESS_START", raising=False)  # when this suite is measured
     monkeypatch.delenv("COVERAGE_PROCESS_CONFIG", raising=False)
     pkg = pytester.mkpydir("pkg")

@@ -155,28 +155,29 @@ def test_{name}():
 
 MISTAKES = {
     "layout_without_size": (
-        "@pytest.mark.megatron(tp=2)\ndef test_it():",
+        "@pytest.mark.megatron(tp=2)\ndef test_it():\n    pass",
         "megatron needs a world size*",
     ),
     "tp_not_dividing": (
-        "@pytest.mark.world_size(2)\n@pytest.mark.megatron(tp=3)\ndef test_it(rank):",
+        "@pytest.mark.world_size(2)\n@pytest.mark.megatron(tp=3)\ndef test_it(rank):\n    pass",
         "megatron(tp=3) does not fit world size 2: tp*pp*cp = 3 must divide it",
     ),
     "ep_not_dividing": (
-        "@pytest.mark.world_size(4)\n@pytest.mark.megatron(tp=2, ep=3)\ndef test_it(rank):",
+        "@pytest.mark.world_size(4)\n@pytest.mark.megatron(tp=2, ep=3)\n"
+        "def test_it(rank):\n    pass",
         "megatron(tp=2, ep=3) does not fit world size 4: ep*tp*pp = 6 must divide it",
     ),
     "hidden_class_marker": (
         '@pytest.mark.world_size("abc")\nclass TestIt:\n'
-        "    @pytest.mark.world_size(2)\n    def test_it(self, rank):",
+        "    @pytest.mark.world_size(2)\n    def test_it(self, rank):\n        pass",
         "world_size expects positive ints or 'all', got 'abc'",
     ),
     "keyword_size": (
-        "@pytest.mark.world_size(size=2)\ndef test_it(rank):",
+        "@pytest.mark.world_size(size=2)\ndef test_it(rank):\n    pass",
         "world_size takes sizes as positional arguments*not world_size(size=2)",
     ),
     "repeated_size": (
-        "@pytest.mark.world_size(1, 1)\ndef test_it(rank):",
+        "@pytest.mark.world_size(1, 1)\ndef test_it(rank):\n    pass",
         "world_size repeats 1: each size makes one test",
     ),
 }
@@ -187,14 +188,9 @@ def test_marker_mistakes_are_collection_errors_before_any_gang_starts(pytester, 
     """A layout without a world size (it used to run in the driver), one that does not fit the
     size (it used to fail on the gang), a bad class marker under a good method marker (it used
     to pass), sizes given by keyword or twice: each a collection error naming the test."""
-    for name, (definition, _) in MISTAKES.items():
-        body = "\n".join(
-            line + ("\n        pass" if line.startswith("    def") else "")
-            for line in definition.splitlines()
-        )
-        if not body.endswith("pass"):
-            body += "\n    pass"
-        pytester.makepyfile(**{f"test_{name}": f"import pytest\n\n{body}\n"})
+    pytester.makepyfile(
+        **{f"test_{name}": f"import pytest\n\n{body}\n" for name, (body, _) in MISTAKES.items()}
+    )
     result = run_pytest("--megatron-devices", "cpu:8", *mode)
     result.assert_outcomes(errors=len(MISTAKES))
     result.stdout.fnmatch_lines_random(

@@ -290,11 +290,7 @@ def test_where_imported():
     result.assert_outcomes(passed=1)
 
 
-EARLY_SUITE = """
-import os
-import pytest
-import vendored_lib
-
+ZYGOTES_OF = """
 def zygotes_of(pid):
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -308,7 +304,14 @@ def zygotes_of(pid):
         if parent == pid and "xdist_megatron.zygote" in command:
             found.append(int(entry))
     return found
+"""
 
+EARLY_SUITE = f"""
+import os
+import pytest
+import vendored_lib
+
+{ZYGOTES_OF}
 ZYGOTES_DURING_COLLECTION = zygotes_of(os.getpid())
 
 def test_collection_saw():
@@ -347,13 +350,11 @@ def test_known_preloads_start_the_zygote_before_collection(
     unmarked_only.stdout.fnmatch_lines(["*zygotes during collection: [[][0-9]*] at test time: []"])
 
 
-ZYGOTES_OF = EARLY_SUITE.split("def zygotes_of", 1)[1].split("ZYGOTES_DURING", 1)[0]
-
 FOLLOWED_CONFTEST = f"""
 import os, time
 import torch  # the suite's first import of torch starts the zygote
 
-def zygotes_of{ZYGOTES_OF}
+{ZYGOTES_OF}
 if "RANK" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:  # driver, controller
     deadline = time.monotonic() + 60
     while not zygotes_of(os.getpid()) and time.monotonic() < deadline:
@@ -395,7 +396,7 @@ def test_a_suite_that_never_imports_torch_starts_no_zygote(pytester, run_pytest)
 import os
 import time
 
-def zygotes_of{ZYGOTES_OF}
+{ZYGOTES_OF}
 def test_plain():
     time.sleep(0.3)  # longer than the import follower's poll
     assert zygotes_of(os.getpid()) == []

@@ -22,7 +22,11 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import TAG_VAR, assert_no_processes_left, processes_tagged
+from conftest import (
+    assert_no_processes_left,
+    processes_tagged,
+    start_from_a_plain_shell,
+)
 
 CONFTEST = """
 import pytest
@@ -327,18 +331,6 @@ TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "
 # The pytest11 entry point's name: `-p no:` with it runs pytest as if the plugin were not installed.
 NO_PLUGIN = ("-p", "no:xdist_megatron.plugin")
 WORLD_SIZE_2 = ("--megatron-world-size", "2")
-TORCHRUN_VARS = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_RUN_ID",
-}
 TIMEOUT = 180.0
 
 
@@ -397,10 +389,7 @@ def junit_outcomes(path) -> dict[str, str]:
 def suite(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """The torchrun-style suite, generated once for the test; runs see no GPU."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    for name in list(os.environ):  # the runs start from a plain shell, not from a rank or worker
-        if name in TORCHRUN_VARS or name.startswith(("XDIST_MEGATRON_", "PYTEST_XDIST_")):
-            if name != TAG_VAR:
-                monkeypatch.delenv(name)
+    start_from_a_plain_shell(monkeypatch)
     pytester.makeconftest(CONFTEST)
     pytester.makeini(INI)
     pytester.makepyfile(
