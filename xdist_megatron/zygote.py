@@ -173,20 +173,26 @@ class Zygote:
                     os.kill(pid, request.signum)
         elif isinstance(request, Preload):
             self.standby_target = max(self.standby_target, request.standby)
-            modules = [m for m in request.modules if m not in sys.modules]
-            failures, breaks_cuda = preload(modules, self.cuda)
-            rank_coverage.publish()
-            gc.freeze()
-            if breaks_cuda:  # ranks running now are unharmed; no later fork is made
-                self.breaks_cuda += breaks_cuda
-                self._kill({pid for pid, _ in self.standby})
-            client.send(Preloaded(failures, breaks_cuda, os.getpid()))
+            self.preload_for(client, request.modules)
         elif isinstance(request, Leave):
             if client is self.owner:
                 self._kill(self.children)
                 return False
             self._disconnect(client)
         return True
+
+    def preload_for(self, client: Client, modules: list[str]) -> None:
+        """Import `modules` for every later fork, and tell `client` how that went."""
+        failures, breaks_cuda = preload([m for m in modules if m not in sys.modules], self.cuda)
+        rank_coverage.publish()
+        # Everything imported so far lives as long as every rank: keep it out of every later
+        # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
+        gc.collect()
+        gc.freeze()
+        if breaks_cuda:  # ranks running now are unharmed; no later fork is made
+            self.breaks_cuda += breaks_cuda
+            self._kill({pid for pid, _ in self.standby})
+        client.send(Preloaded(failures, breaks_cuda, os.getpid()))
 
     def _disconnect(self, client: Client) -> None:
         self._kill(client.children)
@@ -324,15 +330,8 @@ def main(argv: list[str]) -> int:
         listener.listen(128)
     coverage = options.get("coverage")
     rank_coverage.measure(CoverageTarget(**coverage) if coverage else None, "zygote")
-    failures, breaks_cuda = preload(modules, options["cuda"])
-    rank_coverage.publish()
-    # Everything imported so far lives as long as every rank: keep it out of every later
-    # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
-    gc.collect()
-    gc.freeze()
     zygote = Zygote(fd, options["standby"], listener, options["cuda"])
-    zygote.breaks_cuda += breaks_cuda  # forks are refused; the owner starts one without these
-    zygote.owner.send(Preloaded(failures, breaks_cuda, os.getpid()))
+    zygote.preload_for(zygote.owner, modules)  # one that breaks CUDA: the owner starts another
     zygote.serve()
     return 0
 
