@@ -11,7 +11,6 @@ second; the package list collection found is added afterwards, as before.
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -39,9 +38,7 @@ class ImportFollower:
         start the zygote at once. `session_dir` holds its log; the session takes it over."""
         self._start = start
         self._preloadable = preloadable
-        self._wanted: queue.SimpleQueue[str] = queue.SimpleQueue()
-        for name in configured:
-            self._wanted.put(name)
+        self._wanted = list(configured)  # names to send with the next poll (under the lock)
         self.session_dir = session_dir
         self._sent: set[str] = set()
         self._seen: set[str] = set()  # the names in sys.modules looked at
@@ -60,9 +57,9 @@ class ImportFollower:
     def want(self, modules: list[str]) -> None:
         """Preloads known to be needed (remembered from the last session): sent with the next
         poll, starting the zygote if it has not started."""
-        for name in modules:
-            self._wanted.put(name)
-        self._send_new()  # now: the caller may expect the zygote to be starting already
+        with self._lock:
+            self._wanted += modules
+            self._send_new_locked()  # now: the caller may expect the zygote to be starting
 
     def finish(self) -> ZygoteClient | None:
         """Stop following (once collection is done) and return the zygote, if one started."""
@@ -85,11 +82,9 @@ class ImportFollower:
             self._send_new_locked()
 
     def _send_new_locked(self) -> None:
-        if self.zygote is None and self._wanted.empty() and TRIGGER not in sys.modules:
+        if self.zygote is None and not self._wanted and TRIGGER not in sys.modules:
             return
-        found: list[str] = []
-        while not self._wanted.empty():
-            found.append(self._wanted.get())
+        found, self._wanted = self._wanted, []
         fresh = [name for name in list(sys.modules) if name not in self._seen]
         self._seen.update(fresh)
         self._preloadable.note(sys.modules.get(name) for name in fresh)

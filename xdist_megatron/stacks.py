@@ -107,16 +107,8 @@ def _render_frames(frames: list[Frame], test: TestFrame | None) -> list[str]:
         if folded:
             lines.append(_fold(folded))
             folded = 0
-        mark = (
-            "  <-- the test"
-            if test
-            and (frame.path, frame.function)
-            == (
-                test.path,
-                test.function,
-            )
-            else ""
-        )
+        is_test = test is not None and (frame.path, frame.function) == (test.path, test.function)
+        mark = "  <-- the test" if is_test else ""
         lines.append(f'  File "{frame.path}", line {frame.line}, in {frame.function}{mark}')
         if source := linecache.getline(frame.path, frame.line).strip():
             lines.append(f"    {source}")
