@@ -144,12 +144,12 @@ def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):
     """Invariant 4: importing the rank entry point, from a folder holding a conftest and test
     modules, pulls in neither."""
     pytester.makepyfile(test_suite=PASSING)
-    code = "import json, sys, xdist_megatron.rank; print(json.dumps(sorted(sys.modules)))"
+    code = "import json, sys, xdist_megatron.ranks.rank; print(json.dumps(sorted(sys.modules)))"
     output = subprocess.run(
         [sys.executable, "-c", code], cwd=pytester.path, capture_output=True, text=True, check=True
     ).stdout
     loaded = json.loads(output)
-    assert "xdist_megatron.rank" in loaded
+    assert "xdist_megatron.ranks.rank" in loaded
     assert not [m for m in loaded if m.rpartition(".")[2].startswith(("test_", "conftest"))]
 
 
@@ -301,7 +301,7 @@ def zygotes_of(pid):
                 command = f.read()
         except OSError:
             continue
-        if parent == pid and "xdist_megatron.zygote" in command:
+        if parent == pid and "xdist_megatron.ranks.zygote" in command:
             found.append(int(entry))
     return found
 """
@@ -430,9 +430,9 @@ def test_a_preload_error_that_mentions_cuda_does_not_stop_the_zygote(tmp_path, m
     """Only a typed signal (a preload that touched the CUDA driver) makes the zygote refuse
     forks; an import error whose text says "CUDA" is an ordinary failure (the zygote used to
     look for that word, and exit, killing every driver's ranks)."""
-    from xdist_megatron.gang import Gang
+    from xdist_megatron.driver.gang import Gang
     from xdist_megatron.placement import parse_devices
-    from xdist_megatron.zygote_client import ZygoteClient
+    from xdist_megatron.driver.zygote_client import ZygoteClient
 
     (tmp_path / "needs_a_gpu.py").write_text('raise ImportError("no CUDA driver on this host")\n')
     monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
@@ -450,7 +450,7 @@ def test_a_preload_error_that_mentions_cuda_does_not_stop_the_zygote(tmp_path, m
 
 
 def test_the_zygote_module_runs_once(pytester, run_pytest):
-    """The zygote runs as `python -m xdist_megatron.zygote`: the package must not import that
+    """The zygote runs as `python -m xdist_megatron.ranks.zygote`: the package must not import that
     module first, or it runs twice and Python warns on the terminal of every session."""
     pytester.makepyfile("import pytest\n\n@pytest.mark.world_size(1)\ndef test_one():\n    pass\n")
     result = run_pytest("-s", "--megatron-timeout", "60")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from xdist_megatron.metadata import ItemInfo
+from xdist_megatron.sidechannel import ItemInfo
 from xdist_megatron.placement import (
     DeviceSet,
     gang_slot,
@@ -21,7 +21,8 @@ from xdist_megatron.placement import (
     positions,
     worker_block,
 )
-from xdist_megatron.scheduler import INPUT_KEY, MegatronScheduling
+from xdist_megatron.protocol import INPUT_KEY
+from xdist_megatron.xdist.scheduler import MegatronScheduling
 
 CPU8 = DeviceSet("cpu", tuple(range(8)))
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xdist_megatron.sharding import (
+from xdist_megatron.ci.sharding import (
     ShardEntry,
     device_times,
     parse_shard,

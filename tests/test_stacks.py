@@ -8,7 +8,7 @@ import threading
 
 import _pytest
 
-from xdist_megatron import stacks
+from xdist_megatron.driver import stacks
 
 HERE = os.path.abspath(__file__)
 RUNNER = os.path.join(os.path.dirname(_pytest.__file__), "runner.py")

@@ -1,4 +1,4 @@
-"""xdist_megatron.state on real gangs: two ranks forked from this process, joined on gloo through a
+"""xdist_megatron.ranks.isolation on real gangs: two ranks forked from this process, joined on gloo through a
 FileStore, as the zygote forks them. Nothing is mocked."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xdist_megatron import state
+from xdist_megatron.ranks import isolation
 
 WORLD_SIZE = 2
 TIMEOUT = 60.0
@@ -152,12 +152,12 @@ def _leak_groups_then_clean_up(rank: int) -> None:
     assert _all_reduce_sum(both) == 2
     assert len(world.pg_map) == (4 if rank == 0 else 3)
 
-    state.cleanup_after_job()
+    isolation.cleanup_after_job()
 
     assert _only_default_group()
     assert _all_reduce_sum() == 2
     assert _all_reduce_sum(dist.new_group([0, 1])) == 2  # groups made afterwards work
-    state.cleanup_after_job()
+    isolation.cleanup_after_job()
     assert _only_default_group()
     assert not torch.cuda.is_initialized()
 
@@ -212,9 +212,9 @@ def _assert_megatron_clean() -> None:
 def _megatron_teardown(rank: int) -> None:
     from megatron.core import parallel_state as ps
 
-    startup = state.snapshot()
+    startup = isolation.snapshot()
     _dirty_megatron(rank)
-    state.cleanup_after_job()
+    isolation.cleanup_after_job()
     _assert_megatron_clean()
 
     # The next layout sees its own sizes, not the previous test's overrides.
@@ -223,8 +223,8 @@ def _megatron_teardown(rank: int) -> None:
     assert ps.get_data_parallel_rank() == rank
     dist.new_group([0, 1])
 
-    state.cleanup_after_job()  # a module boundary: the per-job cleanup, then the restore
-    state.restore(startup)
+    isolation.cleanup_after_job()  # a module boundary: the per-job cleanup, then the restore
+    isolation.restore(startup)
     _assert_megatron_clean()
     assert not torch.cuda.is_initialized()
 
@@ -241,7 +241,7 @@ def _keep_megatron_layout(rank: int) -> None:
     _dirty_megatron(rank)
     leaked = dist.new_group([0, 1])
 
-    state.cleanup_after_job(keep_megatron=True)
+    isolation.cleanup_after_job(keep_megatron=True)
 
     groups = dist.distributed_c10d._world.pg_map
     assert ps.model_parallel_is_initialized()
@@ -255,7 +255,7 @@ def _keep_megatron_layout(rank: int) -> None:
     assert _all_reduce_sum(data_parallel) == 1
     assert num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None
 
-    state.cleanup_after_job()
+    isolation.cleanup_after_job()
     _assert_megatron_clean()
 
 
@@ -346,7 +346,7 @@ def _restore_everything(rank: int, with_megatron: bool) -> None:
 
     os.environ[ENV_REMOVED] = "here at start-up"
     os.environ[ENV_CHANGED] = "old"
-    startup = state.snapshot()
+    startup = isolation.snapshot()
     expected = _observe()
 
     _dirty_torch()
@@ -354,11 +354,11 @@ def _restore_everything(rank: int, with_megatron: bool) -> None:
         _dirty_megatron(rank)
     dist.new_group([0, 1])
 
-    state.cleanup_after_job()
-    state.restore(startup)
+    isolation.cleanup_after_job()
+    isolation.restore(startup)
 
     assert _observe() == expected
-    assert state.snapshot().settings == startup.settings
+    assert isolation.snapshot().settings == startup.settings
     if with_megatron:
         _assert_megatron_clean()
     assert _only_default_group()
@@ -376,10 +376,10 @@ def test_state_imports_no_optional_package_and_leaves_cuda_alone() -> None:
         import torch
         import xdist_megatron
         before = set(sys.modules)
-        from xdist_megatron import state
-        startup = state.snapshot()
-        state.cleanup_after_job()
-        state.restore(startup)
+        from xdist_megatron.ranks import isolation
+        startup = isolation.snapshot()
+        isolation.cleanup_after_job()
+        isolation.restore(startup)
         optional = ("numpy.random", "megatron", "transformer_engine", "torch._inductor")
         loaded = sorted(m for m in set(sys.modules) - before if m.startswith(optional))
         assert not loaded, loaded
@@ -398,7 +398,7 @@ def _sticky_cuda_error(rank: int) -> None:
     values = torch.zeros(2, device="cuda")
     values[torch.tensor([rank + 8], device="cuda")] = 1.0  # asynchronous device-side assert
     with pytest.raises(RuntimeError):
-        state.cleanup_after_job()
+        isolation.cleanup_after_job()
 
 
 @needs_cuda
@@ -408,19 +408,19 @@ def test_cleanup_after_job_raises_an_asynchronous_cuda_error(tmp_path: Path) -> 
 
 def _cuda_rng_restored(rank: int) -> None:
     torch.manual_seed(1000 + rank)  # the rank's start-up seed, queued for CUDA until it starts
-    startup = state.snapshot()
+    startup = isolation.snapshot()
     assert startup.cuda_rng is None  # CUDA not initialised yet
     fresh = torch.cuda.get_rng_state()  # initialises CUDA: its generators' first state
     torch.cuda.manual_seed(7)
     torch.rand(4, device="cuda")
-    state.cleanup_after_job()
-    state.restore(startup)
+    isolation.cleanup_after_job()
+    isolation.restore(startup)
     assert torch.equal(torch.cuda.get_rng_state(), fresh)
 
-    later = state.snapshot()  # CUDA initialised now
+    later = isolation.snapshot()  # CUDA initialised now
     draws = torch.rand(4, device="cuda")
-    state.cleanup_after_job()
-    state.restore(later)
+    isolation.cleanup_after_job()
+    isolation.restore(later)
     assert torch.equal(torch.rand(4, device="cuda"), draws)
 
 

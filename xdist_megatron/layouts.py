@@ -1,5 +1,6 @@
 """`@pytest.mark.megatron(tp=2, pp=1, cp=1, ep=1)`: a Megatron model-parallel layout kept alive
-across the tests that share it on a gang.
+across the tests that share it on a gang; here the marker is read and checked (at collection),
+`ranks/megatron_layout.py` makes it live on a rank.
 
 Initialising `parallel_state` creates a dozen process groups (NCCL communicators on GPUs, the
 expensive part); tests of one layout that follow each other reuse them. The layout is torn down
@@ -10,10 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 MARKER = "megatron"
-LAYOUT = pytest.StashKey[tuple]()  # an item's layout, where it has the marker
 MARKER_HELP = (
     "megatron(tp=1, pp=1, cp=1, ep=1): initialise megatron.core.parallel_state with this layout "
     "before the test and keep it for the next tests of the same layout on the gang."
@@ -59,29 +57,3 @@ def check_fits(layout: Layout, size: int, test_name: str) -> None:
                 f"{test_name}: @pytest.mark.megatron({shown}) does not fit world size {size}: "
                 f"{what} = {product} must divide it"
             )
-
-
-def ensure(layout: Layout, current: Layout | None, held: list[object]) -> Layout:
-    """On a rank: make `layout` the live parallel state, reusing `current` when it matches;
-    `held` are the groups wider fixture scopes hold, which stay."""
-    from megatron.core import parallel_state
-
-    if layout == current and parallel_state.model_parallel_is_initialized():
-        return layout
-    if parallel_state.model_parallel_is_initialized():
-        from . import state
-
-        state.cleanup_after_job(held)
-    parallel_state.initialize_model_parallel(**{ARGUMENTS[k]: v for k, v in layout})
-    return layout
-
-
-def switch(wanted: Layout | None, kept: Layout | None, held: list[object]) -> Layout | None:
-    """Make `wanted` the live layout (None: no layout), reusing `kept`; returns the kept one."""
-    if wanted is not None:
-        return ensure(wanted, kept, held)
-    if kept is not None:
-        from . import state
-
-        state.cleanup_after_job(held)  # this test wants no layout: drop the kept one
-    return None

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 MARKER = "world_size"
-WORLD_SIZE = pytest.StashKey[int]()  # an item's gang size, where it has one
 PARAM = "_megatron_world_size"
 ALL = "all"
 MARKER_HELP = (

@@ -1,15 +1,72 @@
-"""Messages between the driver and its ranks (pickled over one socket per rank).
+"""What crosses between processes: the messages of driver, zygote and ranks (pickled over their
+sockets), the environment variables, report attributes and xdist keys they share, the plain stash
+keys, and the small helpers every layer uses on them (`module_of`, `write_json`).
 
-Kept free of heavy imports: the zygote and the ranks import it before any test code.
+The bottom of the package: it imports nothing of ours, and nothing heavy, since the zygote and the
+ranks import it before any test code. Stash keys typed by one of our classes live with the class.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
+
+import pytest
+
+# --- environment variables ---------------------------------------------------------------------
 
 # In the zygote's environment and its ranks': the zygote's pid (a rank knows it is one by it).
 ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"
+DEVICE_COUNT_VAR = "XDIST_MEGATRON_DEVICE_COUNT"  # the driver's, so ranks resolve "all" alike
+DEVICES_VAR = "XDIST_MEGATRON_DEVICES"  # the gang's block of devices ("2,3"), on every rank
+WORKER_VAR = "XDIST_MEGATRON_WORKER"  # an xdist worker's index, in its spec: replacements keep it
+XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's config is made
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+# --- xdist: the workerinput key, and the attribute a worker's report carries to the controller -
+
+DIST_MODE = "megatron"  # --dist megatron
+INPUT_KEY = "xdist_megatron"  # node.workerinput[INPUT_KEY]: the worker's index, devices, folders
+SPAN_ATTRIBUTE = "megatron_span"  # on a teardown report: where and when the test ran
+
+# --- stash keys of plain values ----------------------------------------------------------------
+
+WORLD_SIZE = pytest.StashKey[int]()  # an item's world size, where it runs on ranks
+LAYOUT = pytest.StashKey[tuple]()  # an item's Megatron layout, where it has the marker
+TIMEOUT = pytest.StashKey[float]()  # pytest-timeout's timeout of an item that runs on a gang
+ITEMS = pytest.StashKey[list]()  # the session's collected items, kept by the config
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (and not in one of our own ranks)."""
+    return all(v in os.environ for v in TORCHRUN_VARS) and ZYGOTE_VAR not in os.environ
+
+
+def on_gang_rank() -> bool:
+    """True in a rank process of one of our gangs."""
+    return ZYGOTE_VAR in os.environ and "RANK" in os.environ
+
+
+def module_of(nodeid: str) -> str:
+    """The module part of a node id: what tests of one module share, on gangs and in units."""
+    return nodeid.split("::")[0]
+
+
+def write_json(path: Path, data: object, indent: int | None = None) -> None:
+    """Write atomically: readers (a worker, the controller, another CI job) see the old file or
+    the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=indent)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# --- driver <-> rank (pickled over one socket per rank) ----------------------------------------
 
 
 class RankInfo(NamedTuple):
@@ -197,3 +254,17 @@ class Forked:
 class RankExited:
     pid: int
     code: int  # negative: killed by that signal
+
+
+# --- driver -> controller (on a test's report) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GangEvent:
+    """A gang started or retired, and why."""
+
+    time: float  # seconds since the epoch
+    kind: str  # "start" or "retire"
+    world_size: int
+    gang: str  # e.g. "gw0:ws2#1": worker, world size, the n-th gang of that size there
+    cause: str

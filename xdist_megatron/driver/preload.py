@@ -1,6 +1,8 @@
-"""Which of the driver's imports the zygote may import ahead of the ranks: library code, installed
-or the project's own, never test code (the zygote imports no test module, conftest file or helper
-beside them: each rank imports those itself, in its own session, after its conftest files).
+"""What the zygote imports ahead of the ranks: the driver's imports that are library code,
+installed or the project's own, never test code (the zygote imports no test module, conftest file
+or helper beside them: each rank imports those itself, in its own session, after its conftest
+files); `megatron_preload` where the ini sets it; and what the last session detected, kept in the
+pytest cache so that the next zygote can start importing before collection instead of after it.
 
 The project's own code counts as a library where it lies outside every test folder (a folder
 holding a conftest file or a test module, by `python_files`) and no package on its dotted path is
@@ -21,6 +23,8 @@ from typing import Any
 
 import pytest
 
+ALWAYS_PRELOAD = ("torch", "torch.distributed")
+CACHE_KEY = "xdist_megatron/preload"
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
 
@@ -93,6 +97,54 @@ class Preloadable:
                 if isinstance(source, str):
                     found |= self.modules(source)
         return sorted(found)
+
+
+PRELOADABLE = pytest.StashKey[Preloadable]()
+
+
+def preloadable_of(config: pytest.Config) -> Preloadable:
+    """The session's one judge of what the zygote may import (it learns the test folders)."""
+    if PRELOADABLE not in config.stash:
+        rootdir = str(config.rootpath)
+        config.stash[PRELOADABLE] = Preloadable(rootdir, config.getini("python_files"))
+    return config.stash[PRELOADABLE]
+
+
+def for_session(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """megatron_preload, or the library modules the collected test modules imported (what
+    the import follower sent besides is not asked again)."""
+    found = config.getini("megatron_preload") or preloadable_of(config).imported_by(items)
+    return with_base(found)
+
+
+def known_early(config: pytest.Config) -> list[str] | None:
+    """The preloads known before collection: megatron_preload, else what the last session that
+    ran gangs detected; None when neither says gangs will run."""
+    known = config.getini("megatron_preload") or remembered(config)
+    return None if known is None else with_base(known)
+
+
+def remembered(config: pytest.Config) -> list[str] | None:
+    """The detected preloads of the last session that ran gangs; None if none is remembered."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return None
+    value = cache.get(CACHE_KEY, None)
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        return None
+    return value
+
+
+def remember(config: pytest.Config, modules: list[str]) -> None:
+    """Keep this session's detected preloads for the next one."""
+    cache = getattr(config, "cache", None)
+    detected = [m for m in modules if m not in ALWAYS_PRELOAD]
+    if cache is not None and remembered(config) != detected:
+        cache.set(CACHE_KEY, detected)
+
+
+def with_base(modules: list[str]) -> list[str]:
+    return list(dict.fromkeys([*ALWAYS_PRELOAD, *modules]))
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from _pytest.runner import collect_one_node
 
-from .protocol import SessionArgs
+from ..protocol import SessionArgs
 
 # Options that make sense once per run, in the driver: a rank must not distribute, write the
 # driver's junit or report files, stop the session, debug on a terminal, or read the cache to

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from ..protocol import under_torchrun
 from . import rank_coverage
-from .inprocess import under_torchrun
 
 DONE = ".done"
 WAIT_FOR_RANKS = 120.0  # seconds rank 0 waits for the others' data after its own test loop

@@ -49,27 +49,27 @@ class ScopeHoldings:
     ) -> Generator[None, object, object]:
         if fixturedef.scope == FUNCTION_SCOPE:
             return (yield)
-        from . import state
+        from . import isolation
 
-        before = {id(group) for group in state.process_groups()}
-        megatron_before = state.megatron_fingerprint()
+        before = {id(group) for group in isolation.process_groups()}
+        megatron_before = isolation.megatron_fingerprint()
         wide = fixturedef.scope in SESSION_SCOPES
-        settings_before = state.snapshot() if wide else None
+        settings_before = isolation.snapshot() if wide else None
         holding = Holding()
         # Registered before the fixture's own teardown, so it runs after it.
         fixturedef.addfinalizer(functools.partial(self._release, holding))
         try:
             return (yield)
         finally:
-            holding.groups = [g for g in state.process_groups() if id(g) not in before]
-            holding.megatron = state.megatron_fingerprint() != megatron_before
+            holding.groups = [g for g in isolation.process_groups() if id(g) not in before]
+            holding.megatron = isolation.megatron_fingerprint() != megatron_before
             self.live.append(holding)
             if wide:
-                self._on_session_fixture(settings_before, state.snapshot())
+                self._on_session_fixture(settings_before, isolation.snapshot())
 
     def _release(self, holding: Holding) -> None:
-        from . import state
+        from . import isolation
 
         if holding in self.live:
             self.live.remove(holding)
-        state.release(holding.groups, holding.megatron and not self.megatron)
+        isolation.release(holding.groups, holding.megatron and not self.megatron)

@@ -15,7 +15,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from .protocol import DIED, FAILED, WAITED, RankResult
+from ..protocol import DIED, FAILED, WAITED, RankResult
 
 PHASES = ("setup", "call", "teardown")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from .protocol import CoverageTarget
+from ..protocol import CoverageTarget
 
 PUBLISHED = ".data"  # a whole data file in the store, ready to combine
 CONFIG_DATA_PREFIX = ":data:"  # coverage's marker for a serialized configuration (>= 7.10)

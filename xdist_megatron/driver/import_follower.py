@@ -1,6 +1,6 @@
 """Starts the zygote while the driver is still importing the suite (its conftest files, then its
 test modules), and has it import the same library packages as the driver imports them (which
-are libraries: `preloadable.py`).
+are libraries: `preload.py`).
 
 Without it the zygote's imports begin after collection, and the first gang waits for all of
 them: torch and megatron.core take ~15 s on an H200 host, as long as the driver took to import
@@ -11,15 +11,46 @@ second; the package list collection found is added afterwards, as before.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 
-from .preloadable import Preloadable
+import pytest
+
+from ..protocol import DIST_MODE, XDIST_WORKER_VAR, on_gang_rank, under_torchrun
+from . import zygote_client
+from .preload import Preloadable, preloadable_of, with_base
 from .zygote_client import ZygoteClient
 
 POLL_SECONDS = 0.05
 TRIGGER = "torch"
+
+
+def follow_imports(config: pytest.Config) -> ImportFollower | None:
+    """A follower for the serial driver, or the xdist controller's shared zygote; none in ranks,
+    xdist workers (they join the controller's), other xdist modes and --collect-only."""
+    known = config.known_args_namespace
+    if on_gang_rank() or under_torchrun() or XDIST_WORKER_VAR in os.environ:
+        return None
+    controller = bool(getattr(known, "numprocesses", None) or getattr(known, "tx", None))
+    if known.collectonly or (controller and getattr(known, "dist", None) != DIST_MODE):
+        return None
+    session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
+    log = os.path.join(session_dir, zygote_client.HOST_ZYGOTE_LOG)
+    log = log if known.capture != "no" else None
+    address = zygote_client.shared_address() if controller else None
+    devices = known.megatron_devices
+    # Without importing torch (it is being imported now): GPUs are likely if the driver is there.
+    cuda = not (devices or "").startswith("cpu") and os.path.exists("/dev/nvidiactl")
+
+    def start(modules: list[str]) -> ZygoteClient:
+        return zygote_client.spawn(with_base(modules), log, address, cuda)
+
+    return ImportFollower(
+        start, preloadable_of(config), config.getini("megatron_preload"), session_dir
+    )
 
 
 class ImportFollower:
@@ -105,3 +136,6 @@ def _is_namespace(module: object) -> bool:
     return (
         module is not None and hasattr(module, "__path__") and not getattr(module, "__file__", None)
     )
+
+
+FOLLOWER = pytest.StashKey[ImportFollower]()

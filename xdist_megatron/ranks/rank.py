@@ -20,9 +20,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import rank_coverage
-from .capture import FdCapture, capture_prefix
-from .protocol import (
+from ..coverage import rank_coverage
+from ..protocol import (
     FAILED,
     PASSED,
     ZYGOTE_VAR,
@@ -39,6 +38,7 @@ from .protocol import (
     ShutdownJob,
     TestJob,
 )
+from .capture import FdCapture, capture_prefix
 
 STACK_SIGNAL = signal.SIGUSR1
 ENV_RENDEZVOUS_PREFIX = "default_pg/"  # where init_process_group("env://") puts its keys
@@ -77,9 +77,9 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
     stacks = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     _join_process_group(spec)
-    from . import state
+    from . import isolation
 
-    startup = state.snapshot()
+    startup = isolation.snapshot()
     gc.freeze()  # start-up objects are permanent: keep the per-test gc.collect() cheap
     conn.send(Ready(spec.rank, os.getpid()))
     workdir = os.path.dirname(spec.stack_path)
@@ -240,13 +240,13 @@ class _JobRunner:
         return "; ".join(note for note in notes if note)
 
     def _open_session(self, job: TestJob) -> None:
-        from . import state
+        from . import isolation
         from .rank_session import RankSession
 
         self.session = RankSession(job.session, self.rank, self._send_report)
         rank_coverage.follow_tests(self.session.config)
         # Start-up is after the session's own configuration (pytest sets PYTEST_VERSION, say).
-        self._in_process_rank().set_startup(state.snapshot())
+        self._in_process_rank().set_startup(isolation.snapshot())
 
     def _send_report(self, data: dict) -> None:
         self.send(PhaseReport(self.rank, data))
@@ -259,22 +259,22 @@ class _JobRunner:
         return self.session.config.pluginmanager.get_plugin(PLUGIN_NAME)
 
     def _cleanup(self) -> None:
-        from . import state
+        from . import isolation
 
         plugin = self._in_process_rank()
         if plugin is None:
-            state.cleanup_after_job()
+            isolation.cleanup_after_job()
         else:
             held = plugin.holdings
-            state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
+            isolation.cleanup_after_job(held.groups, keep_libraries=held.megatron)
 
     def _reset(self, next_nodeid: str | None) -> None:
-        from . import state
+        from . import isolation
 
         plugin = self._in_process_rank()
         if plugin is None:
-            state.cleanup_after_job()
-            state.restore(self.startup)
+            isolation.cleanup_after_job()
+            isolation.restore(self.startup)
             return
         self.session.teardown_until(next_nodeid)  # the last module's scopes end
         plugin.reset()

@@ -3,24 +3,31 @@
 Units are all tests of one module with one world size (unmarked tests: one unit per module, on
 the worker's home device). The largest sizes go first, then the longest known durations; a worker
 gets a unit only when the unit's devices are free of every other worker's pending work, so gangs
-on disjoint devices run at once. A worker holding back a test is served first and filled to two
-pending tests before the next worker, and a unit goes to the worker that already has a gang of
-its size on the same devices. Device locks in the workers keep this safe even when the
+on disjoint devices run at once. A worker holding back a test is served first and filled until
+it is busy (`BUSY_PENDING`) before the next worker, and a unit goes to the worker that already
+has a gang of its size on the same devices. Device locks in the workers keep this safe even when the
 scheduler has to break a wait (see `_unblock`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
 
-from . import metadata, placement, sharding
-from .metadata import ItemInfo
+from .. import placement, sidechannel
+from ..ci import sharding
+from ..protocol import INPUT_KEY, module_of
+from ..sidechannel import ItemInfo
 
-INPUT_KEY = "xdist_megatron"  # the workerinput key that dist_mode fills
+if TYPE_CHECKING:
+    from xdist.workermanage import WorkerController
+
+# xdist runs a worker's last pending test only once another one (or "shutdown") has arrived: a
+# worker is busy only while it has this many pending, and one with fewer holds its test back.
+BUSY_PENDING = 2
 
 
 @dataclass
@@ -28,12 +35,12 @@ class Unit:
     """Tests of one module and one world size, sent to one worker together."""
 
     module: str
-    size: int | None  # None: unmarked tests, run in the worker itself
+    world_size: int | None  # None: unmarked tests, run in the worker itself
     nodeids: list[str] = field(default_factory=list)
     duration: float = 0.0
 
     def priority(self) -> tuple:
-        return (-(self.size or 1), -self.duration, self.module)
+        return (-(self.world_size or 1), -self.duration, self.module)
 
 
 class MegatronScheduling:
@@ -44,10 +51,10 @@ class MegatronScheduling:
         config: pytest.Config,
         devices: placement.DeviceSet,
         worker_count: int,
-        item_info: Any,  # Callable[[], dict[str, ItemInfo]], read once collection is done
+        item_info: Callable[[], dict[str, ItemInfo]],  # read once collection is done
         durations: dict[str, float],
         session_dir: str,
-        log: Any = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.devices = devices
@@ -56,18 +63,18 @@ class MegatronScheduling:
         self._durations = durations
         self.log = log
         self.session_dir = session_dir
-        self.collections: dict[Any, list[str]] = {}
-        self.pending: dict[Any, list[int]] = {}
+        self.collections: dict[WorkerController, list[str]] = {}
+        self.pending: dict[WorkerController, list[int]] = {}
         self.queue: list[Unit] = []
         self.collection: list[str] | None = None
         self.infos: dict[str, ItemInfo] = {}
         self.index_of: dict[str, int] = {}
-        self.sizes_sent: dict[Any, set[int | None]] = {}  # the gang sizes each worker has
+        self.world_sizes_sent: dict[WorkerController, set[int | None]] = {}  # each worker's gangs
 
     # -- the protocol -----------------------------------------------------------------------
 
     @property
-    def nodes(self) -> list[Any]:
+    def nodes(self) -> list[WorkerController]:
         return list(self.pending)
 
     @property
@@ -78,33 +85,37 @@ class MegatronScheduling:
     def tests_finished(self) -> bool:
         if not self.collection_is_completed or self.queue:
             return False
-        return all(len(p) < 2 for p in self.pending.values())
+        return all(len(p) < BUSY_PENDING for p in self.pending.values())
 
     @property
     def has_pending(self) -> bool:
         return bool(self.queue) or any(self.pending.values())
 
-    def add_node(self, node: Any) -> None:
+    def add_node(self, node: WorkerController) -> None:
         assert node not in self.pending
         self.pending[node] = []
 
-    def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
+    def add_node_collection(self, node: WorkerController, collection: Sequence[str]) -> None:
         if self.collection is not None and list(collection) != self.collection:
             self._log(f"{node.gateway.id} collected different tests; it gets no work")
             return
         self.collections[node] = list(collection)
 
-    def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+    def mark_test_complete(
+        self, node: WorkerController, item_index: int, duration: float = 0
+    ) -> None:
         self.pending[node].remove(item_index)
         self._fill()
 
     def mark_test_pending(self, item: str) -> None:
         raise NotImplementedError("--dist megatron does not steal work")
 
-    def remove_pending_tests_from_node(self, node: Any, indices: Sequence[int]) -> None:
+    def remove_pending_tests_from_node(
+        self, node: WorkerController, indices: Sequence[int]
+    ) -> None:
         raise NotImplementedError("--dist megatron does not steal work")
 
-    def remove_node(self, node: Any) -> str | None:
+    def remove_node(self, node: WorkerController) -> str | None:
         """A worker left: its running test is the crash item, the rest of its work is requeued."""
         pending = self.pending.pop(node)
         if not pending or self.collection is None:
@@ -131,29 +142,36 @@ class MegatronScheduling:
         unknown = sharding.typical_duration(self._durations.values())
         for nodeid in nodeids:
             info = self._info(nodeid)
-            unit = units.setdefault((info.module, info.size), Unit(info.module, info.size))
+            key = (info.module, info.world_size)
+            unit = units.setdefault(key, Unit(info.module, info.world_size))
             unit.nodeids.append(nodeid)
             unit.duration += self._durations.get(nodeid, unknown)
         self.queue.extend(units.values())
         self.queue.sort(key=Unit.priority)
 
+    def _world_size(self, index: int) -> int | None:
+        return self._info(self.collection[index]).world_size
+
+    def _devices_of(self, worker: int, world_size: int | None) -> frozenset[int]:
+        return placement.positions(self.devices, worker, world_size)
+
     def _info(self, nodeid: str) -> ItemInfo:
-        return self.infos.get(nodeid) or ItemInfo(metadata.module_of(nodeid), None, None)
+        return self.infos.get(nodeid) or ItemInfo(module_of(nodeid), None, None)
 
     def _fill(self) -> None:
-        """Give work to every worker that has fewer than two pending tests, where devices allow."""
+        """Give work to every worker that is not busy (`BUSY_PENDING`), where devices allow."""
         if self.collection is None:
             return
         progress = True
         while self.queue and progress:
             progress = False
-            hungry = [n for n in self._workers() if len(self.pending[n]) < 2]
+            hungry = [n for n in self._workers() if len(self.pending[n]) < BUSY_PENDING]
             # A worker holding back a test first: more work lets that test start.
             hungry.sort(key=lambda n: (-len(self.pending[n]), self._choices(n)))
             for node in hungry:
                 # Fill one worker before the next: a worker given a single test holds it back
                 # (reserving nothing) while the others' work would take its devices.
-                while len(self.pending[node]) < 2 and self._assign_fitting(node, hungry):
+                while len(self.pending[node]) < BUSY_PENDING and self._assign_fitting(node, hungry):
                     progress = True
         if self.queue:
             self._unblock()
@@ -165,51 +183,58 @@ class MegatronScheduling:
     def _publish_plan(self) -> None:
         """Tell the workers which gang sizes they may still need (the rest they shut down)."""
         pending = {
-            self._worker_index(node): {self._info(self.collection[i]).size or 0 for i in indices}
+            self._worker_index(node): {self._world_size(index) or 0 for index in indices}
             for node, indices in self.pending.items()
         }
-        unassigned = {unit.size or 0 for unit in self.queue}
-        metadata.write_plan(self.session_dir, unassigned, pending)
+        unassigned = {unit.world_size or 0 for unit in self.queue}
+        sidechannel.write_plan(self.session_dir, unassigned, pending)
 
-    def _workers(self) -> list[Any]:
+    def _workers(self) -> list[WorkerController]:
         live = [n for n in self.pending if n in self.collections and not n.shutting_down]
         return sorted(live, key=lambda n: (len(self.pending[n]), self._worker_index(n)))
 
-    def _choices(self, node: Any) -> int:
+    def _choices(self, node: WorkerController) -> int:
         """How many queued units fit this worker now (the most constrained chooses first)."""
         busy = self._occupied(exclude=node)
         worker = self._worker_index(node)
-        return sum(not busy & placement.positions(self.devices, worker, u.size) for u in self.queue)
+        fits = (busy.isdisjoint(self._devices_of(worker, u.world_size)) for u in self.queue)
+        return sum(fits)
 
-    def _worker_index(self, node: Any) -> int:
+    def _worker_index(self, node: WorkerController) -> int:
         return int(node.workerinput[INPUT_KEY]["worker"])
 
-    def _assign_fitting(self, node: Any, hungry: list[Any]) -> bool:
+    def _assign_fitting(self, node: WorkerController, hungry: list[WorkerController]) -> bool:
         """Send `node` the first unit that fits beside the running work, unless another hungry
         worker with the same devices for that unit already has a gang of its size."""
         busy = self._occupied(exclude=node)
         worker = self._worker_index(node)
         for unit in self.queue:
-            devices = placement.positions(self.devices, worker, unit.size)
+            devices = self._devices_of(worker, unit.world_size)
             if busy & devices or self._gang_elsewhere(node, unit, devices, hungry):
                 continue
             self._send(node, unit)
             return True
         return False
 
-    def _gang_elsewhere(self, node: Any, unit: Unit, devices: frozenset[int], hungry: list) -> bool:
+    def _gang_elsewhere(
+        self,
+        node: WorkerController,
+        unit: Unit,
+        devices: frozenset[int],
+        hungry: list[WorkerController],
+    ) -> bool:
         """Whether a hungry worker other than `node` has run gangs of the unit's size on the
         same devices, where the unit fits too: it reuses its gang instead of `node` forking one,
         and no parallelism is lost (both would run the unit on the same devices)."""
-        if unit.size is None or unit.size in self.sizes_sent.get(node, ()):
+        if unit.world_size is None or unit.world_size in self.world_sizes_sent.get(node, ()):
             return False
         for other in hungry:
-            if other is node or len(self.pending[other]) >= 2:
+            if other is node or len(self.pending[other]) >= BUSY_PENDING:
                 continue
-            if unit.size not in self.sizes_sent.get(other, ()):
+            if unit.world_size not in self.world_sizes_sent.get(other, ()):
                 continue
             index = self._worker_index(other)
-            if placement.positions(self.devices, index, unit.size) != devices:
+            if self._devices_of(index, unit.world_size) != devices:
                 continue
             if not self._occupied(exclude=other) & devices:
                 return True
@@ -221,33 +246,31 @@ class MegatronScheduling:
         arrives, so waiting longer would wait forever. Give the first unit to the first idle
         worker; its device locks make it wait for any device a held-back test is then using."""
         workers = self._workers()
-        if not workers or any(len(self.pending[n]) >= 2 for n in workers):
+        if not workers or any(len(self.pending[n]) >= BUSY_PENDING for n in workers):
             return
         idle = [n for n in workers if not self.pending[n]] or workers
         self._send(idle[0], self.queue[0])
 
-    def _occupied(self, exclude: Any) -> frozenset[int]:
+    def _occupied(self, exclude: WorkerController) -> frozenset[int]:
         devices: set[int] = set()
         for node, indices in self.pending.items():
             # A worker with one pending test holds it back until more work (or shutdown)
             # arrives: it runs nothing, so its devices are free; should it start that test
             # later, the device locks make it wait its turn.
-            if node is exclude or (len(indices) < 2 and not node.shutting_down):
+            if node is exclude or (len(indices) < BUSY_PENDING and not node.shutting_down):
                 continue
             worker = self._worker_index(node)
             for index in indices:
-                devices |= placement.positions(
-                    self.devices, worker, self._info(self.collection[index]).size
-                )
+                devices |= self._devices_of(worker, self._world_size(index))
         return frozenset(devices)
 
-    def _send(self, node: Any, unit: Unit) -> None:
+    def _send(self, node: WorkerController, unit: Unit) -> None:
         self.queue.remove(unit)
         indices = [self.index_of[nodeid] for nodeid in unit.nodeids]
         self.pending[node].extend(indices)
-        self.sizes_sent.setdefault(node, set()).add(unit.size)
+        self.world_sizes_sent.setdefault(node, set()).add(unit.world_size)
         node.send_runtest_some(indices)
-        self._log(f"{node.gateway.id}: {unit.module} ws{unit.size} x{len(indices)}")
+        self._log(f"{node.gateway.id}: {unit.module} ws{unit.world_size} x{len(indices)}")
 
     def _log(self, message: str) -> None:
         if self.log is not None:

@@ -10,23 +10,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-from .metadata import module_of
+from ..protocol import GangEvent, module_of
 
 TIMELINE_VERSION = 1
 GAP_SHOWN = 3  # the longest idle gaps the terminal names
 GAP_COUNTED = 0.1  # seconds: shorter gaps are the plugin's own between tests, not idle devices
 UNITS_SHOWN = 3
-
-
-@dataclass(frozen=True)
-class GangEvent:
-    """A gang started or retired, and why."""
-
-    time: float  # seconds since the epoch
-    kind: str  # "start" or "retire"
-    world_size: int
-    gang: str  # e.g. "gw0:ws2#1": worker, size, the n-th gang of that size there
-    cause: str
 
 
 @dataclass(frozen=True)

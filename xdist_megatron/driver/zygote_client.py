@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,14 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import IO, Any
 
-import xdist_megatron
+from ..coverage import rank_coverage
+from ..protocol import ForkRanks, Leave, Preload, RankExited, RankSpec, SignalRanks
 
-from . import rank_coverage
-from .protocol import ForkRanks, Leave, Preload, RankExited, RankSpec, SignalRanks
-
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # xdist_megatron/
+HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
 ZYGOTE_START_TIMEOUT = 600.0  # importing megatron + TE cold can take minutes on a loaded CI host
 
 
@@ -56,7 +59,7 @@ class ZygoteClient:
         command = [
             sys.executable,
             "-m",
-            "xdist_megatron.zygote",
+            "xdist_megatron.ranks.zygote",
             str(theirs.fileno()),
             json.dumps(options),
         ]
@@ -98,7 +101,7 @@ class ZygoteClient:
     ) -> None:
         self.preload = preload
         self.address = address
-        self.exits: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
         self._sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.process = process  # None: a shared zygote, which another process owns
@@ -139,12 +142,25 @@ class ZygoteClient:
 
     def signal(self, pids: list[int], signum: int) -> None:
         """Signal ranks that are still the zygote's children (never a recycled pid)."""
-        live = [pid for pid in pids if pid not in self.exits]
+        live = [pid for pid in pids if pid not in self._exits]
         if live and self.alive:
             try:
                 self.conn.send(SignalRanks(live, signum))
             except OSError:
                 pass
+
+    def exited(self, pid: int) -> bool:
+        """Whether the zygote has reported this rank's exit (read so far: see `pump`)."""
+        return pid in self._exits
+
+    def reported_exit(self, pid: int) -> int | None:
+        """The exit code the zygote reported for this rank (negative: its signal), if it did."""
+        return self._exits.get(pid)
+
+    def assume_killed(self, pids: list[int]) -> None:
+        """The zygote is gone, and its ranks with it (they die with their parent)."""
+        for pid in pids:
+            self._exits.setdefault(pid, -signal.SIGKILL)
 
     def pump(self) -> None:
         """Read every message waiting on the connection (exit notices)."""
@@ -156,8 +172,8 @@ class ZygoteClient:
         deadline = time.monotonic() + timeout
         while True:
             self.pump()
-            if pid in self.exits:
-                return self.exits[pid]
+            if pid in self._exits:
+                return self._exits[pid]
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.alive:
                 return None
@@ -213,7 +229,7 @@ class ZygoteClient:
                     pass
             raise ZygoteError(f"the zygote {self._gone()}") from None
         if isinstance(message, RankExited):
-            self.exits[message.pid] = message.code
+            self._exits[message.pid] = message.code
         return message
 
     def _gone(self) -> str:
@@ -222,10 +238,21 @@ class ZygoteClient:
         return f"exited with code {self.process.returncode}"
 
 
+def spawn(preload: list[str], log: str | None, address: str | None, cuda: bool) -> ZygoteClient:
+    """Start a zygote writing its output to `log` (None: to this process's terminal)."""
+    with open(log, "ab") if log else contextlib.nullcontext() as output:
+        return ZygoteClient(preload, output, address=address, cuda=cuda)
+
+
+def shared_address() -> str:
+    """An abstract Unix socket name, unique to this session, for its workers to connect to."""
+    return f"xdist-megatron-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
 def _zygote_env() -> dict[str, str]:
     env = dict(os.environ)
     # The zygote must import this package even when it is run from a source checkout.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(xdist_megatron.__file__)))
+    package_root = str(PACKAGE_DIR.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return rank_coverage.zygote_env(env)
 

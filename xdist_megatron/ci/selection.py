@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
+from ..protocol import WORLD_SIZE, module_of
 from . import durations, sharding
-from .markers import WORLD_SIZE
-from .metadata import module_of
 
 
 def add_options(group: Any, parser: pytest.Parser) -> None:

@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO
 
-from . import placement
+from .. import placement
+from ..protocol import DIED, FAILED, STUCK, GangEvent, Job, RankResult, ResetJob
 from .gang import Gang, GangError
 from .locks import DeviceLocks
-from .protocol import DIED, FAILED, STUCK, Job, RankResult, ResetJob
-from .timeline import GangEvent
 from .zygote_client import ForkRefused, ZygoteClient, describe_exit
 
 RESET_TIMEOUT = 120.0
@@ -44,7 +43,7 @@ class GangPool:
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
         self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
-        self.gang_names: dict[int, str] = {}  # size -> the current gang's name, "ws2#1"
+        self.gang_names: dict[int, str] = {}  # world size -> the current gang's name, "ws2#1"
         self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
         self._logged_retired: set[str] = set()
         self._preload = preload
@@ -69,65 +68,66 @@ class GangPool:
             return self._adopted_log
         return os.path.join(self._workdir, "zygote.log")
 
-    def block(self, size: int) -> tuple[int, ...]:
-        """This worker's devices for a gang of `size` ranks."""
-        block = placement.worker_block(self.devices, self.worker, size)
+    def block(self, world_size: int) -> tuple[int, ...]:
+        """This worker's devices for a gang of `world_size` ranks."""
+        block = placement.worker_block(self.devices, self.worker, world_size)
         if block is None:
-            raise GangError(f"needs {size} devices, {self.devices.count} available")
+            raise GangError(f"needs {world_size} devices, {self.devices.count} available")
         return block
 
     @contextmanager
-    def devices_held(self, size: int) -> Iterator[None]:
-        """Hold the device locks of the gang of `size` ranks while a job runs on it."""
-        with self.locks.hold([self.devices.lock_name(d) for d in self.block(size)]):
+    def devices_held(self, world_size: int) -> Iterator[None]:
+        """Hold the device locks of the gang of `world_size` ranks while a job runs on it."""
+        with self.locks.hold([self.devices.lock_name(d) for d in self.block(world_size)]):
             yield
 
-    def run(self, size: int, module: str, job: Job, timeout: float) -> list[RankResult]:
-        """Run `job` on the gang of `size` ranks, holding its devices."""
+    def execute(self, world_size: int, module: str, job: Job, timeout: float) -> list[RankResult]:
+        """Run `job` on the gang of `world_size` ranks, holding its devices."""
         self._live_zygote()  # wait for its imports before taking the devices from others
-        self._ensure_started(size)  # forking and joining only create contexts: no lock needed
+        self._ensure_started(world_size)  # forking and joining create contexts only: no lock
         nodeid = getattr(job, "nodeid", None)
-        with self.devices_held(size):
+        with self.devices_held(world_size):
             held_from = time.time()
-            gang = self.acquire(size, module, timeout, nodeid)
+            gang = self.acquire(world_size, module, timeout, nodeid)
             results = gang.execute(job, timeout)
         self.last_hold = (held_from, time.time())
         if not gang.alive:
-            self._log_retired(size, _retire_cause(results))
+            self._log_retired(world_size, _retire_cause(results))
         return results
 
-    def _ensure_started(self, size: int) -> None:
-        gang = self._gangs.get(size)
+    def _ensure_started(self, world_size: int) -> None:
+        gang = self._gangs.get(world_size)
         if gang is None or not gang.alive:
-            self._start(size)
+            self._start(world_size)
 
     def trim(self, keep: set[int]) -> None:
         """Shut down gangs of sizes this worker will not run again: they hold device memory."""
-        for size in [s for s in self._gangs if s not in keep]:
-            gang = self._gangs.pop(size)
+        for world_size in [s for s in self._gangs if s not in keep]:
+            gang = self._gangs.pop(world_size)
             if gang.alive:
-                self._log_retired(size, "not needed again here")
+                self._log_retired(world_size, "not needed again here")
             gang.close()
 
-    def acquire(self, size: int, module: str, timeout: float, nodeid: str | None = None) -> Gang:
-        """A live gang of `size` ranks, reset to its start-up state if `module` (of the test
+    def acquire(
+        self, world_size: int, module: str, timeout: float, nodeid: str | None = None
+    ) -> Gang:
+        """A live gang of `world_size` ranks, reset to its start-up state if `module` (of the test
         `nodeid`, where known) is new to it."""
-        gang = self._gangs.get(size)
+        gang = self._gangs.get(world_size)
         lost = gang.lost_ranks() if gang is not None and gang.alive else []
         if lost:
             rank = lost[0]
-            code = self._zygote.exits.get(gang.pids[rank]) if self._zygote else None
-            self.notes.append(
-                f"gang of {size}: rank {rank} {describe_exit(code)} between tests; replaced it"
-            )
+            code = self._zygote.reported_exit(gang.pids[rank]) if self._zygote else None
+            why = f"rank {rank} {describe_exit(code)} between tests"
+            self.notes.append(f"gang of {world_size}: {why}; replaced it")
             gang.retire()
-            self._log_retired(size, "a rank died between tests")
+            self._log_retired(world_size, "a rank died between tests")
         if gang is not None and gang.alive and gang.last_module not in (None, module):
             gang = self._cross_module_boundary(gang, module, nodeid)
         if gang is not None and not gang.alive:
-            self._log_retired(size, "a failure in a test")  # one the `gang` fixture ran
+            self._log_retired(world_size, "a failure in a test")  # one the `gang` fixture ran
         if gang is None or not gang.alive:
-            gang = self._start(size)
+            gang = self._start(world_size)
         gang.last_module = module
         gang.timeout = timeout
         return gang
@@ -148,47 +148,48 @@ class GangPool:
             return None
         return gang
 
-    def _start(self, size: int) -> Gang:
+    def _start(self, world_size: int) -> Gang:
         try:
-            return self._start_once(size)
+            return self._start_once(world_size)
         except ForkRefused:  # another worker's preload spoilt the shared zygote: _live_zygote
             try:  # has a fresh one start without it
-                return self._start_once(size)
+                return self._start_once(world_size)
             except ForkRefused as exc:
                 raise GangError(str(exc)) from None
 
-    def _start_once(self, size: int) -> Gang:
+    def _start_once(self, world_size: int) -> Gang:
         gang = Gang(
-            size,
+            world_size,
             self.devices,
-            self.block(size),
+            self.block(world_size),
             self.backend,
             zygote=self._live_zygote(),
             workdir=self._workdir,
         )
-        self._gangs[size] = gang
+        self._gangs[world_size] = gang
         try:
             gang.start()
         except ForkRefused:
-            del self._gangs[size]
+            del self._gangs[world_size]
             raise
         except GangError as exc:
             raise GangError(f"{exc}\n{self._log_tail()}") from None
-        self._log_started(size)
+        self._log_started(world_size)
         return gang
 
-    def _log_started(self, size: int) -> None:
-        cause = "replaced a retired one" if size in self.gang_names else "first use"
-        count = sum(e.kind == "start" and e.world_size == size for e in self.events) + 1
-        self.gang_names[size] = f"ws{size}#{count}"
-        self.events.append(GangEvent(time.time(), "start", size, self.gang_names[size], cause))
+    def _log_started(self, world_size: int) -> None:
+        cause = "replaced a retired one" if world_size in self.gang_names else "first use"
+        count = sum(e.kind == "start" and e.world_size == world_size for e in self.events) + 1
+        self.gang_names[world_size] = f"ws{world_size}#{count}"
+        name = self.gang_names[world_size]
+        self.events.append(GangEvent(time.time(), "start", world_size, name, cause))
 
-    def _log_retired(self, size: int, cause: str) -> None:
-        """Note that the current gang of `size` retired (once, under the first cause seen)."""
-        name = self.gang_names.get(size)
+    def _log_retired(self, world_size: int, cause: str) -> None:
+        """Note that the current gang of `world_size` retired (once, under the first cause seen)."""
+        name = self.gang_names.get(world_size)
         if name is not None and name not in self._logged_retired:
             self._logged_retired.add(name)
-            self.events.append(GangEvent(time.time(), "retire", size, name, cause))
+            self.events.append(GangEvent(time.time(), "retire", world_size, name, cause))
 
     def _log_tail(self, lines: int = 30) -> str:
         try:

@@ -1,6 +1,6 @@
 """What a driver tells about each test it ran, on the test's teardown report.
 
-World size, devices and worker go into `user_properties`: junit writes them into the testcase,
+World world_size, devices and worker go into `user_properties`: junit writes them into the testcase,
 and the durations file takes the world size from there. The test's span (start, end, gang) and
 the gang starts and retirements it caused go into a report attribute: xdist serialises a
 report's attributes, so the controller gets them with the report, and junit does not print them.
@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import placement
-from .durations import WORLD_SIZE_PROPERTY
-from .markers import WORLD_SIZE
+from .. import placement
+from ..ci.durations import WORLD_SIZE_PROPERTY
+from ..protocol import SPAN_ATTRIBUTE, WORLD_SIZE
 
 if TYPE_CHECKING:
-    from .plugin import Runtime
+    from ..driver.runtime import Runtime
 
-SPAN_ATTRIBUTE = "megatron_span"
 SERIAL_WORKER = "main"  # the worker name of a run without xdist
 
 
@@ -54,16 +53,16 @@ class RunFacts:
         if current is None or report.nodeid != current["nodeid"] or report.when != "teardown":
             return
         item = current["item"]
-        size = item.stash.get(WORLD_SIZE, None)
-        devices = placement.devices_of(self.runtime.devices, self.runtime.worker, size)
+        world_size = item.stash.get(WORLD_SIZE, None)
+        devices = placement.devices_of(self.runtime.devices, self.runtime.worker, world_size)
         facts = [("devices", ",".join(map(str, devices))), ("worker", self.worker)]
-        if size is not None:  # an unmarked test ran in the driver: it has no world size
-            facts.insert(0, (WORLD_SIZE_PROPERTY, size))
+        if world_size is not None:  # an unmarked test ran in the driver: it has no world size
+            facts.insert(0, (WORLD_SIZE_PROPERTY, world_size))
         # A new list: pytest shares the item's list with all its reports.
         report.user_properties = [*report.user_properties, *facts]
-        gang = self._pool_facts(item, size)
+        gang = self._pool_facts(item, world_size)
         start, end = self._window(item, current["start"])
-        span = {"start": start, "end": end, "world_size": size}
+        span = {"start": start, "end": end, "world_size": world_size}
         span.update(devices=list(devices), worker=self.worker, **gang)
         setattr(report, SPAN_ATTRIBUTE, span)
 
@@ -75,14 +74,14 @@ class RunFacts:
             return hold
         return start, time.time()
 
-    def _pool_facts(self, item: pytest.Item, size: int | None) -> dict[str, Any]:
+    def _pool_facts(self, item: pytest.Item, world_size: int | None) -> dict[str, Any]:
         """The gang the test ran on, and the gang events since the last test's report."""
         on_gang = self.runtime.runs_on_ranks(item) or "gang" in getattr(item, "fixturenames", ())
-        if size is None or not on_gang:
+        if world_size is None or not on_gang:
             return {"gang": None, "events": []}
         pool = self.runtime.pool
         events = pool.events[self._events_told :]
         self._events_told = len(pool.events)
         named = [{**asdict(e), "gang": f"{self.worker}:{e.gang}"} for e in events]
-        name = pool.gang_names.get(size)
+        name = pool.gang_names.get(world_size)
         return {"gang": f"{self.worker}:{name}" if name else None, "events": named}

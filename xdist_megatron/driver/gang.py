@@ -20,10 +20,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from . import placement, rank_coverage
-from . import stacks as stacks_
-from .capture import output_paths
-from .protocol import (
+from .. import placement
+from ..coverage import rank_coverage
+from ..protocol import (
+    DEVICE_COUNT_VAR,
+    DEVICES_VAR,
     DIED,
     FAILED,
     STUCK,
@@ -38,16 +39,17 @@ from .protocol import (
     ShutdownJob,
     TestJob,
 )
-from .rank import STACK_SIGNAL
+from ..ranks.capture import output_paths
+from ..ranks.rank import STACK_SIGNAL
+from . import stacks as stacks_
+from .preload import ALWAYS_PRELOAD
+from .timeouts import DEFAULT_TIMEOUT
 from .zygote_client import ZygoteClient, ZygoteError, describe_exit
 
-DEFAULT_TIMEOUT = 300.0
-BASE_PRELOAD = ("torch", "torch.distributed")
 START_TIMEOUT = 120.0
 FAILURE_GRACE = 2.0  # how long the other ranks may still finish after one rank failed
 STACK_WAIT = 2.0
 LOCALHOST = "127.0.0.1"
-DEVICE_COUNT_VAR = "XDIST_MEGATRON_DEVICE_COUNT"  # the driver's, so ranks resolve "all" alike
 
 
 class GangError(RuntimeError):
@@ -100,7 +102,7 @@ class Gang:
         import torch.distributed as dist
 
         if self._zygote is None:
-            self._zygote = ZygoteClient(list(BASE_PRELOAD), None, cuda=self.devices.is_cuda)
+            self._zygote = ZygoteClient(list(ALWAYS_PRELOAD), None, cuda=self.devices.is_cuda)
         if self._workdir is None:
             self._workdir = self._own_workdir = tempfile.mkdtemp(prefix="xdist-megatron-gang-")
         self._store = dist.TCPStore(
@@ -141,7 +143,7 @@ class Gang:
             "MASTER_ADDR": LOCALHOST,
             "MASTER_PORT": str(port),
             "CUDA_VISIBLE_DEVICES": self.devices.visible_devices(self.block),
-            "XDIST_MEGATRON_DEVICES": ",".join(str(d) for d in self.block),
+            DEVICES_VAR: ",".join(str(d) for d in self.block),
             # As torchrun's agent store: MASTER_PORT is a live store ranks join as clients, so a
             # test can destroy the default group and initialise it again from the environment.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -190,7 +192,7 @@ class Gang:
     def lost_ranks(self) -> list[int]:
         """Ranks that died while the gang was idle (read from the zygote's exit notices)."""
         self._pump_zygote()
-        return [rank for rank, pid in enumerate(self.pids) if pid in self._zygote.exits]
+        return [rank for rank, pid in enumerate(self.pids) if self._zygote.exited(pid)]
 
     def retire(self) -> None:
         """Kill every rank now (after a failure, a timeout or an interrupt)."""
@@ -309,7 +311,7 @@ class Gang:
                 if self._take(conn, rank, reports, finished, results):
                     del waiting[conn]
             for conn, rank in list(waiting.items()):
-                if self.pids[rank] in self._zygote.exits:
+                if self._zygote.exited(self.pids[rank]):
                     while conn.poll(0) and not self._take(conn, rank, reports, finished, results):
                         pass  # what it sent before it died still counts
                     del waiting[conn]
@@ -371,8 +373,7 @@ class Gang:
         try:
             self._zygote.pump()
         except ZygoteError:
-            for pid in self.pids:
-                self._zygote.exits.setdefault(pid, -signal.SIGKILL)
+            self._zygote.assume_killed(self.pids)
 
     def _receive(self, conn: Connection, rank: int) -> RankResult:
         try:

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from ..protocol import SPAN_ATTRIBUTE, GangEvent
 from . import gantt, timeline
-from .run_facts import SPAN_ATTRIBUTE
-from .timeline import GangEvent, Span
+from .timeline import Span
 
 SECTION = "xdist-megatron run report"
 OUTCOME_RANK = ("passed", "skipped", "failed")  # a test's outcome is its worst phase's

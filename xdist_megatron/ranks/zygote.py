@@ -1,7 +1,7 @@
 """The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
 
-Started by its owner as `python -m xdist_megatron.zygote FD OPTIONS_JSON`, with FD one end of a
-socket pair and the options `preload`, `standby`, `address`, `cuda` and `coverage` (a measured
+Started by its owner as `python -m xdist_megatron.ranks.zygote FD OPTIONS_JSON`, with FD one end of
+a socket pair and the options `preload`, `standby`, `address`, `cuda` and `coverage` (a measured
 owner's CoverageTarget: the preloads are measured and published for it); with an address it also
 listens on that abstract Unix socket for more drivers (the workers of an xdist run share the
 controller's zygote: one import of the heavy packages per host instead of one per worker). It
@@ -30,8 +30,8 @@ import warnings
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from . import rank_coverage
-from .protocol import (
+from ..coverage import rank_coverage
+from ..protocol import (
     ZYGOTE_VAR,
     CoverageTarget,
     Forked,
@@ -54,9 +54,9 @@ BASE_PRELOAD = (
     "pytest",
     "_pytest._code",
     "_pytest.assertion.rewrite",
-    "xdist_megatron.rank",
-    "xdist_megatron.state",
-    "xdist_megatron.rank_session",
+    "xdist_megatron.ranks.rank",
+    "xdist_megatron.ranks.isolation",
+    "xdist_megatron.ranks.rank_session",
     "_pytest.config",
     "_pytest.main",
     "_pytest.python",

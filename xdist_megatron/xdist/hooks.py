@@ -11,15 +11,17 @@ from typing import Any
 
 import pytest
 
-from . import durations, metadata, placement
-from .scheduler import INPUT_KEY
+from .. import placement, sidechannel
+from ..ci import durations
+from ..driver.gang import detect_devices
+from ..driver.runtime import RUNTIME
+from ..protocol import DIST_MODE, INPUT_KEY, WORKER_VAR
+from .scheduler import MegatronScheduling
 
-DIST_MODE = "megatron"
 DIST_HELP = (
     "megatron: tests marked with a world size run on rank gangs, grouped by (module, world "
     "size), largest first, on exclusive device blocks (xdist-megatron)."
 )
-WORKER_ENV = "XDIST_MEGATRON_WORKER"
 
 _parser: pytest.Parser | None = None
 
@@ -56,8 +58,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     Asked before pytest_configure, so the devices are read here, not from the plugin's state."""
     if not requested(config):
         return None
-    from .gang import detect_devices
-
     try:
         devices = detect_devices(config.getoption("megatron_devices"))
     except ValueError as exc:
@@ -73,11 +73,9 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
     spec of a crashed one) inherits the same index and devices."""
     import execnet
 
-    from .plugin import RUNTIME
-
     devices = config.stash[RUNTIME].devices
     for index, spec in enumerate(specs):
-        env = f"//env:{WORKER_ENV}={index}"
+        env = f"//env:{WORKER_VAR}={index}"
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
@@ -88,11 +86,9 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    from .plugin import RUNTIME
-
     runtime = node.config.stash[RUNTIME]
     node.workerinput[INPUT_KEY] = {
-        "worker": int(node.gateway.spec.env.get(WORKER_ENV, 0)),
+        "worker": int(node.gateway.spec.env.get(WORKER_VAR, 0)),
         "devices": placement.to_dict(runtime.devices),
         "session_dir": runtime.session_dir,
         "lock_dir": runtime.lock_dir,
@@ -105,15 +101,12 @@ def pytest_configure_node(node: Any) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if not requested(config):
         return None
-    from .plugin import RUNTIME
-    from .scheduler import MegatronScheduling
-
     runtime = config.stash[RUNTIME]
     return MegatronScheduling(
         config,
         runtime.devices,
         worker_count=len(config.getoption("tx")),
-        item_info=lambda: metadata.read_items(runtime.session_dir),
+        item_info=lambda: sidechannel.read_items(runtime.session_dir),
         durations=durations.load(config),
         session_dir=runtime.session_dir,
         log=log,

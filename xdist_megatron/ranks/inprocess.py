@@ -14,23 +14,11 @@ from typing import Any
 
 import pytest
 
-from . import layouts, markers
+from ..protocol import LAYOUT, WORLD_SIZE, RankInfo, module_of, under_torchrun
+from . import megatron_layout
 from .holdings import ScopeHoldings
-from .metadata import module_of
-from .protocol import ZYGOTE_VAR, RankInfo
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 PLUGIN_NAME = "xdist-megatron-rank"
-
-
-def under_torchrun() -> bool:
-    """True in a process started by torchrun (and not in one of our own ranks)."""
-    return all(v in os.environ for v in TORCHRUN_VARS) and ZYGOTE_VAR not in os.environ
-
-
-def on_gang_rank() -> bool:
-    """True in a rank process of one of our gangs."""
-    return ZYGOTE_VAR in os.environ and "RANK" in os.environ
 
 
 def torchrun_rank_info() -> RankInfo | None:
@@ -66,7 +54,7 @@ class InProcessRank:
 
     def applies(self, item: pytest.Item) -> bool:
         """Every test a gang sends runs here; under torchrun, the tests with a world size."""
-        return self.on_gang or markers.WORLD_SIZE in item.stash
+        return self.on_gang or WORLD_SIZE in item.stash
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
@@ -107,30 +95,30 @@ class InProcessRank:
     def _enter_module(self, module: str) -> None:
         """Under torchrun: join the group, and reset when the test's module is a new one (the
         last module's scopes ended with its last test)."""
-        from . import state
+        from . import isolation
 
         self._join()
         if self._startup is None:
-            self._startup = state.snapshot()
+            self._startup = isolation.snapshot()
         if self._module not in (None, module):
             self.reset()
         self._module = module
 
     def _switch_layout(self, item: pytest.Item) -> None:
         kept, self._layout = self._layout, None  # None until done: never keep a half-built state
-        wanted = item.stash.get(layouts.LAYOUT, None)
-        self._layout = layouts.switch(wanted, kept, self.holdings.groups)
+        wanted = item.stash.get(LAYOUT, None)
+        self._layout = megatron_layout.switch(wanted, kept, self.holdings.groups)
 
     def _after_test(self) -> None:
         __tracebackhide__ = True
-        from . import state
+        from . import isolation
 
         if self._poisoned:
             return
 
         if self._finish_line is not None:
             self._finish_line()
-        state.cleanup_after_job(
+        isolation.cleanup_after_job(
             keep_groups=self.holdings.groups,
             keep_megatron=self._layout is not None,
             keep_libraries=self.holdings.megatron,
@@ -140,10 +128,10 @@ class InProcessRank:
     def _groups_over_limit(self) -> bool:
         """Whether the groups made since they were last destroyed are too many to keep (decided
         alike on every rank: the destruction is collective)."""
-        from . import state
+        from . import isolation
 
-        made = state.groups_made()
-        if made - self._groups_at_last_destroy <= state.GROUP_LIMIT:
+        made = isolation.groups_made()
+        if made - self._groups_at_last_destroy <= isolation.GROUP_LIMIT:
             return False
         self._groups_at_last_destroy = made
         return True
@@ -151,14 +139,14 @@ class InProcessRank:
     def reset(self) -> None:
         """Module boundary (the module's own scopes already ended): back to the start-up state,
         keeping what live session fixtures hold."""
-        from . import state
+        from . import isolation
 
         self._layout = None
         held = self.holdings
-        state.cleanup_after_job(held.groups, keep_libraries=held.megatron)
+        isolation.cleanup_after_job(held.groups, keep_libraries=held.megatron)
         if self._startup is not None:
-            state.restore(self._startup)
-        self._groups_at_last_destroy = state.groups_made()
+            isolation.restore(self._startup)
+        self._groups_at_last_destroy = isolation.groups_made()
 
     def set_startup(self, startup: Any) -> None:
         self._startup = startup
@@ -166,10 +154,10 @@ class InProcessRank:
     def _rebase(self, before: Any, after: Any) -> None:
         """A session fixture was set up: what it changed is part of the state modules start
         from (what earlier tests leaked is not)."""
-        from . import state
+        from . import isolation
 
         if self._startup is not None:
-            self._startup = state.rebase(self._startup, before, after)
+            self._startup = isolation.rebase(self._startup, before, after)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """The `gang.run` of torchrun: call here, gather every rank's value."""

@@ -8,18 +8,13 @@ worker can shut down gangs it will not use again.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .protocol import write_json
+
 ITEMS_SUFFIX = ".items.json"
 PLAN_FILE = "plan.json"
-
-
-def module_of(nodeid: str) -> str:
-    """The module part of a node id: what tests of one module share, on gangs and in units."""
-    return nodeid.split("::")[0]
 
 
 @dataclass(frozen=True)
@@ -27,12 +22,12 @@ class ItemInfo:
     """What the scheduler needs to know of one collected test."""
 
     module: str
-    size: int | None  # gang size; None for an unmarked test
+    world_size: int | None  # None for an unmarked test
     cls: str | None
 
 
 def write_items(folder: str, worker: str, items: dict[str, ItemInfo]) -> None:
-    data = {nodeid: [i.module, i.size, i.cls] for nodeid, i in items.items()}
+    data = {nodeid: [i.module, i.world_size, i.cls] for nodeid, i in items.items()}
     write_json(Path(folder) / f"{worker}{ITEMS_SUFFIX}", data)
 
 
@@ -40,8 +35,8 @@ def read_items(folder: str) -> dict[str, ItemInfo]:
     """Every worker's item facts merged (all workers collect the same tests)."""
     items: dict[str, ItemInfo] = {}
     for path in sorted(Path(folder).glob(f"*{ITEMS_SUFFIX}")):
-        for nodeid, (module, size, cls) in json.loads(path.read_text()).items():
-            items.setdefault(nodeid, ItemInfo(module, size, cls))
+        for nodeid, (module, world_size, cls) in json.loads(path.read_text()).items():
+            items.setdefault(nodeid, ItemInfo(module, world_size, cls))
     return items
 
 
@@ -60,13 +55,3 @@ def sizes_still_needed(folder: str, worker: int) -> set[int] | None:
     except (OSError, ValueError):
         return None
     return set(data["unassigned"]) | set(data["pending"].get(str(worker), []))
-
-
-def write_json(path: Path, data: object, indent: int | None = None) -> None:
-    """Write atomically: readers (a worker, the controller, another CI job) see the old file or
-    the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=indent)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -15,15 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..protocol import WORLD_SIZE, TestJob, module_of
 from . import reporting
 from .gang import GangError
-from .markers import WORLD_SIZE
-from .metadata import module_of
-from .protocol import TestJob
 from .zygote_client import ZygoteError
 
 if TYPE_CHECKING:
-    from .plugin import Runtime
+    from .runtime import Runtime
 
 
 class GangWarning(UserWarning):
@@ -57,8 +55,8 @@ class GangDispatch:
 
     def _run(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
         runtime = self.runtime
-        size = item.stash[WORLD_SIZE]
-        runtime.trim_gangs(size)
+        world_size = item.stash[WORLD_SIZE]
+        runtime.trim_gangs(world_size)
         job = TestJob(
             nodeid=item.nodeid,
             module_path=str(item.path),
@@ -67,7 +65,8 @@ class GangDispatch:
             capture=item.config.getoption("capture", "fd") != "no",
         )
         try:
-            results = runtime.pool.run(size, module_of(item.nodeid), job, self.timeout_of(item))
+            module = module_of(item.nodeid)
+            results = runtime.pool.execute(world_size, module, job, self.timeout_of(item))
         except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
             return reporting.no_gang(item, str(exc))
         for result in results:

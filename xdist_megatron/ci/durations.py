@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from . import metadata
+from ..protocol import write_json
 
 CACHE_KEY = "xdist_megatron/durations"
 FILE_VERSION = 1
@@ -96,7 +96,7 @@ def write_file(path: Path, timings: dict[str, Timing]) -> None:
     }
     data = {"version": FILE_VERSION, "tests": dict(sorted(tests.items()))}
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata.write_json(path, data, indent=1)
+    write_json(path, data, indent=1)
 
 
 def load(config: pytest.Config) -> dict[str, float]:

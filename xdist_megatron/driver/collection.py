@@ -1,0 +1,73 @@
+"""The driver's part of collection: check the markers (a mistake is a collection error naming the
+test, before any gang starts), make one item per world size, and give each item its world size,
+its layout, or the skip that says why it cannot run here."""
+
+from __future__ import annotations
+
+import pytest
+
+from .. import layouts, markers
+from ..ci import selection
+from ..protocol import ITEMS, LAYOUT, WORLD_SIZE, on_gang_rank
+from .runtime import Runtime
+
+
+def parametrize(metafunc: pytest.Metafunc, runtime: Runtime) -> None:
+    """One item per world size of the test's marker (or the run's default world size)."""
+    definition = metafunc.definition
+    size_marker = definition.get_closest_marker(markers.MARKER)
+    layout_marker = definition.get_closest_marker(layouts.MARKER)
+    if size_marker is None and layout_marker is None:
+        return
+    name = definition.nodeid
+    try:
+        for marker in definition.iter_markers(markers.MARKER):  # a class's, under the method's
+            markers.declared_sizes(marker, name)
+        if size_marker is not None:
+            world_sizes = markers.parametrize_sizes(metafunc, lambda: runtime.device_count)
+        elif runtime.default_world_size is not None:
+            world_sizes = [runtime.default_world_size]
+        else:
+            raise layouts.LayoutError(
+                f"{name}: @pytest.mark.megatron needs a world size: add "
+                "@pytest.mark.world_size(N), or give the run --megatron-world-size N"
+            )
+        if layout_marker is not None:
+            layout = layouts.layout_of(layout_marker, name)
+            for world_size in world_sizes:
+                layouts.check_fits(layout, world_size, name)
+    except (markers.MarkerError, layouts.LayoutError) as exc:
+        raise pytest.Collector.CollectError(str(exc)) from None
+
+
+def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) -> None:
+    """Stash each item's world size and layout, skip what cannot run here, select this CI job's
+    tests, and under xdist tell the controller what it needs to schedule them."""
+    config.stash[ITEMS] = items
+    for item in items:
+        world_size = markers.item_world_size(
+            item, lambda: runtime.device_count, runtime.default_world_size
+        )
+        if world_size is None:
+            continue
+        item.stash[WORLD_SIZE] = world_size
+        layout_marker = item.get_closest_marker(layouts.MARKER)
+        if layout_marker is not None:
+            item.stash[LAYOUT] = layouts.layout_of(layout_marker, item.nodeid)
+        if not on_gang_rank():  # on a rank, its driver chose what runs there
+            _skip_if_unfit(item, world_size, runtime)
+    if not on_gang_rank():  # its driver chose the test; the rank collected one module
+        selection.select(config, items)
+    if runtime.xdist:
+        runtime.publish_items(items)
+
+
+def _skip_if_unfit(item: pytest.Item, world_size: int, runtime: Runtime) -> None:
+    if runtime.inprocess is not None:
+        if world_size != runtime.inprocess.world_size:
+            started = runtime.inprocess.world_size
+            reason = f"needs world size {world_size}, torchrun started {started}"
+            item.add_marker(pytest.mark.skip(reason=reason))
+    elif world_size > runtime.devices.count:
+        reason = f"needs {world_size} devices, {runtime.devices.count} available"
+        item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,304 @@
+"""The driver's composition root: one per pytest process (serial driver, xdist worker or
+controller, rank session), holding its devices, its gang pool and zygote, its folders and what it
+will say in the terminal summary. Built in `pytest_configure`, found through `RUNTIME`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .. import markers, placement, sidechannel
+from ..placement import DeviceSet
+from ..protocol import (
+    DEVICE_COUNT_VAR,
+    INPUT_KEY,
+    ITEMS,
+    WORLD_SIZE,
+    SessionArgs,
+    module_of,
+    on_gang_rank,
+    under_torchrun,
+)
+from ..ranks.inprocess import InProcessRank
+from . import preload, zygote_client
+from .gang import default_backend, detect_devices
+from .import_follower import FOLLOWER
+from .locks import DeviceLocks
+from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
+from .zygote_client import HOST_ZYGOTE_LOG, ZygoteClient
+
+# pytest-cov off in a rank's session, its disabled plugin unregistered (it would fail no_cover).
+NO_COV = ("--no-cov", "-p", "no:_cov")
+
+
+class Runtime:
+    """This process's plugin state: its devices and, once a marked test runs, its gangs."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        # In a rank process (ours, or torchrun's) tests run right here.
+        self.inprocess: InProcessRank | None = None
+        if on_gang_rank():
+            from ..ranks.rank import finish_line
+
+            self.inprocess = InProcessRank(config, finish_line)
+        elif under_torchrun():
+            self.inprocess = InProcessRank(config, None)
+        self.default_world_size = markers.default_world_size(
+            config.getoption("megatron_world_size") or config.getini("megatron_world_size")
+        )
+        self.xdist: dict | None = getattr(config, "workerinput", {}).get(INPUT_KEY)
+        self.worker = self.xdist["worker"] if self.xdist else 0
+        self._follower = config.stash.get(FOLLOWER, None)
+        self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
+        if self._follower is not None:
+            self._session_dir = self._follower.session_dir
+        scope = config.getini("megatron_gang_scope")
+        if scope not in (SESSION_SCOPE, MODULE_SCOPE):
+            raise pytest.UsageError(f"megatron_gang_scope must be session or module, got {scope!r}")
+        self.scope = scope
+        self._devices: DeviceSet | None = None
+        self._pool: GangPool | None = None
+        self._host_zygote: ZygoteClient | None = None
+        self._session_args: SessionArgs | None = None
+        self._next_on_gang: dict[str, str | None] | None = None
+        self._notes: list[str] = []  # what the closed pools and the follower said
+
+    @property
+    def devices(self) -> DeviceSet:
+        if self._devices is None and self.xdist:
+            self._devices = placement.from_dict(self.xdist["devices"])
+        if self._devices is None:
+            try:
+                self._devices = detect_devices(self.config.getoption("megatron_devices"))
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        return self._devices
+
+    @property
+    def device_count(self) -> int:
+        """The devices "all" means: the driver's, also on its ranks; torchrun's world."""
+        if on_gang_rank():
+            return int(os.environ[DEVICE_COUNT_VAR])
+        if self.inprocess is not None:
+            return self.inprocess.world_size
+        return self.devices.count
+
+    def runs_on_ranks(self, item: pytest.Item) -> bool:
+        """A test this driver sends to a gang: it has a world size that fits the devices, and
+        does not request the `gang` fixture (whose test body stays here)."""
+        world_size = item.stash.get(WORLD_SIZE, None)
+        return (
+            world_size is not None
+            and self.inprocess is None
+            and isinstance(item, pytest.Function)
+            and "gang" not in item.fixturenames
+            and world_size <= self.devices.count
+        )
+
+    def session_args(self) -> SessionArgs:
+        """How a rank builds this session again (the same for every test)."""
+        if self._session_args is None:
+            config = self.config
+            factory = getattr(config, "_tmp_path_factory", None)
+            base = factory.getbasetemp() if factory is not None else Path(self.session_dir)
+            (base / "ranks").mkdir(exist_ok=True)
+            self._session_args = SessionArgs(
+                args=[str(a) for a in config.invocation_params.args],
+                invocation_dir=str(config.invocation_params.dir),
+                sys_path=list(sys.path),
+                basetemp=str(base / "ranks"),
+                # pytest-cov would start on each rank and write the driver's data files; the
+                # rank measures itself for the driver (rank_coverage).
+                extra=NO_COV if config.pluginmanager.hasplugin("_cov") else (),
+            )
+        return self._session_args
+
+    def next_on_gang(self, item: pytest.Item, nextitem: pytest.Item | None) -> str | None:
+        """The next test the gang of `item` will run, where this driver knows it: pytest's
+        `nextitem` when it runs on that gang too; serially, the next one of its world size in the
+        session's order. Under xdist nothing further is known: None (its scopes up to the
+        session's end)."""
+        world_size = item.stash[WORLD_SIZE]
+        if nextitem is not None and self.runs_on_ranks(nextitem):
+            if nextitem.stash[WORLD_SIZE] == world_size:
+                return nextitem.nodeid
+        if self.xdist:
+            return None
+        if self._next_on_gang is None:
+            self._next_on_gang = {}
+            last: dict[int, str] = {}
+            for later in reversed(item.session.items):
+                if self.runs_on_ranks(later):
+                    later_size = later.stash[WORLD_SIZE]
+                    self._next_on_gang[later.nodeid] = last.get(later_size)
+                    last[later_size] = later.nodeid
+        return self._next_on_gang.get(item.nodeid)
+
+    @property
+    def session_dir(self) -> str:
+        """Folder shared by the controller and its workers (created by the controller)."""
+        if self._session_dir is None:
+            self._session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
+        return self._session_dir
+
+    @property
+    def lock_dir(self) -> str:
+        chosen = self.config.getoption("megatron_lock_dir")
+        if chosen:
+            return os.path.abspath(chosen)
+        return self.xdist["lock_dir"] if self.xdist else os.path.join(self.session_dir, "locks")
+
+    @property
+    def pool(self) -> GangPool:
+        if self._pool is None:
+            self._pool = GangPool(
+                self.devices,
+                self.config.getoption("megatron_backend") or default_backend(self.devices),
+                self.preload,
+                self.largest_size,
+                DeviceLocks(self.lock_dir),
+                self.worker,
+                self.scope,
+                quiet_zygote=self.config.getoption("capture") != "no",
+                host_zygote=self.xdist.get("zygote") if self.xdist else None,
+                host_zygote_log=os.path.join(self.session_dir, HOST_ZYGOTE_LOG),
+            )
+        return self._pool
+
+    def host_zygote(self) -> str:
+        """In the xdist controller: the address of the zygote every worker shares, started on
+        first use with the configured preloads (each worker adds the ones it detected), unless
+        it started while the controller imported the suite's conftest files."""
+        if self._host_zygote is None:
+            self._host_zygote = self.early_zygote()
+        if self._host_zygote is None:
+            quiet = self.config.getoption("capture") != "no"
+            self._host_zygote = zygote_client.spawn(
+                preload.known_early(self.config) or list(preload.ALWAYS_PRELOAD),
+                os.path.join(self.session_dir, HOST_ZYGOTE_LOG) if quiet else None,
+                zygote_client.shared_address(),
+                self.devices.is_cuda,
+            )
+        return self._host_zygote.address
+
+    def early_zygote(self) -> ZygoteClient | None:
+        """The zygote the import follower started, if it can serve this session's devices."""
+        zygote = self._finish_following()
+        if zygote is not None and self.devices.is_cuda and not zygote.cuda:
+            zygote.close()  # it did not guard its preloads for CUDA: forks could not use GPUs
+            return None
+        return zygote
+
+    def _finish_following(self) -> ZygoteClient | None:
+        """Stop the import follower (once) and take the zygote it started, if any."""
+        follower, self._follower = self._follower, None
+        if follower is None:
+            return None
+        zygote = follower.finish()
+        if follower.error is not None:
+            self._notes.append(f"following the imports to start the zygote early: {follower.error}")
+        return zygote
+
+    def home_device_held(self) -> contextlib.AbstractContextManager:
+        """Under xdist, an unmarked test holds its worker's home device like a gang would."""
+        if not self.xdist:
+            return contextlib.nullcontext()
+        home = placement.home_device(self.devices, self.worker)
+        return DeviceLocks(self.lock_dir).hold([self.devices.lock_name(home)])
+
+    def trim_gangs(self, world_size: int) -> None:
+        """Shut down this worker's idle gangs of sizes the scheduler will not send it again."""
+        if self.xdist and self._pool is not None:
+            needed = sidechannel.sizes_still_needed(self.session_dir, self.worker)
+            if needed is not None:
+                self._pool.trim(needed | {world_size})
+
+    def largest_size(self) -> int:
+        """How many ranks the zygote keeps forked ahead of need: the largest gang of the session
+        when this process runs them all; under xdist none until a gang asks (a worker may never
+        run the large ones, and every standby rank is a process on a shared host)."""
+        if self.xdist:
+            return 0
+        sizes = [item.stash.get(WORLD_SIZE, 0) for item in self.config.stash.get(ITEMS, [])]
+        return min(max(sizes, default=0), self.devices.count)
+
+    def preload(self) -> list[str]:
+        return preload.for_session(self.config, self.config.stash.get(ITEMS, []))
+
+    def start_zygote_early(self) -> None:
+        """Before collection: have the zygote import what is known already (configured, or
+        remembered from the last session), so its imports overlap with the collection's."""
+        config = self.config
+        controller = not hasattr(config, "workerinput") and config.getoption("tx", None)
+        if controller or config.option.collectonly or self.inprocess is not None:
+            return
+        if self._follower is not None:
+            remembered = preload.remembered(config)
+            if remembered:
+                self._follower.want(remembered)
+            return
+        modules = preload.known_early(config)
+        if modules is not None:
+            self.pool.start_early(modules)
+
+    def collection_done(self, items: list[pytest.Item]) -> None:
+        """Start the zygote as soon as a test will need gangs (its imports take seconds), or
+        stop the one started early when none will."""
+        if self.config.option.collectonly or self.inprocess is not None:
+            return
+        early = self.early_zygote()
+        if any(WORLD_SIZE in item.stash for item in items):
+            if early is not None:
+                self.pool.adopt(early, os.path.join(self.session_dir, HOST_ZYGOTE_LOG))
+            self.pool.prestart()
+            if self.worker == 0:  # one writer per session
+                preload.remember(self.config, self.preload())
+            return
+        if early is not None:
+            early.close()
+        if self._pool is not None:
+            self._pool.stop_zygote()
+
+    def publish_items(self, items: list[pytest.Item]) -> None:
+        """Tell the controller each item's module, world size and class (xdist sends ids
+        only)."""
+        infos = {
+            item.nodeid: sidechannel.ItemInfo(
+                module_of(item.nodeid),
+                item.stash.get(WORLD_SIZE, None),
+                getattr(getattr(item, "cls", None), "__qualname__", None),
+            )
+            for item in items
+        }
+        sidechannel.write_items(self.session_dir, self.config.workerinput["workerid"], infos)
+
+    @property
+    def notes(self) -> list[str]:
+        """What the terminal summary says: the follower's and the pools' notes."""
+        return self._notes + (self._pool.notes if self._pool is not None else [])
+
+    def close(self) -> None:
+        early = self._finish_following()
+        if early is not None:
+            early.close()
+        if self._pool is not None:
+            self._notes += self._pool.notes
+            self._pool.close()
+            self._pool = None
+        if self._host_zygote is not None:
+            self._host_zygote.close()
+            self._host_zygote = None
+        if not self.xdist and self._session_dir is not None:  # workers use the controller's
+            shutil.rmtree(self._session_dir, ignore_errors=True)
+            self._session_dir = None
+
+
+RUNTIME = pytest.StashKey[Runtime]()
