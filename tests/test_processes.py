@@ -431,8 +431,8 @@ def test_a_preload_error_that_mentions_cuda_does_not_stop_the_zygote(tmp_path, m
     forks; an import error whose text says "CUDA" is an ordinary failure (the zygote used to
     look for that word, and exit, killing every driver's ranks)."""
     from xdist_megatron.driver.gang import Gang
-    from xdist_megatron.placement import parse_devices
     from xdist_megatron.driver.zygote_client import ZygoteClient
+    from xdist_megatron.placement import parse_devices
 
     (tmp_path / "needs_a_gpu.py").write_text('raise ImportError("no CUDA driver on this host")\n')
     monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from xdist_megatron.report.gantt import svg
 from xdist_megatron.protocol import GangEvent
+from xdist_megatron.report.gantt import svg
 from xdist_megatron.report.timeline import Span, idle_gaps, summary, utilisation
 
 CPU8 = ("--megatron-devices", "cpu:8")

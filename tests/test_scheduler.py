@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from xdist_megatron.sidechannel import ItemInfo
 from xdist_megatron.placement import (
     DeviceSet,
     gang_slot,
@@ -22,6 +21,7 @@ from xdist_megatron.placement import (
     worker_block,
 )
 from xdist_megatron.protocol import INPUT_KEY
+from xdist_megatron.sidechannel import ItemInfo
 from xdist_megatron.xdist.scheduler import MegatronScheduling
 
 CPU8 = DeviceSet("cpu", tuple(range(8)))

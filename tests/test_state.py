@@ -1,5 +1,5 @@
-"""xdist_megatron.ranks.isolation on real gangs: two ranks forked from this process, joined on gloo through a
-FileStore, as the zygote forks them. Nothing is mocked."""
+"""xdist_megatron.ranks.isolation on real gangs: two ranks forked from this process, joined on gloo
+through a FileStore, as the zygote forks them. Nothing is mocked."""
 
 from __future__ import annotations
 

@@ -44,16 +44,16 @@ def layout_of(marker: Any, test_name: str) -> Layout:
     return tuple(sizes.items())
 
 
-def check_fits(layout: Layout, size: int, test_name: str) -> None:
+def check_fits(layout: Layout, world_size: int, test_name: str) -> None:
     """The layout must fit a gang of `size` ranks as megatron-core requires: tp*pp*cp divides
     the size, and so does ep*tp*pp (the expert layout; its tensor-parallel size is tp)."""
     sizes = dict(layout)
     model = sizes["tp"] * sizes["pp"] * sizes["cp"]
     expert = sizes["ep"] * sizes["tp"] * sizes["pp"]
     for what, product in (("tp*pp*cp", model), ("ep*tp*pp", expert)):
-        if size % product:
+        if world_size % product:
             shown = ", ".join(f"{k}={v}" for k, v in layout if v != 1) or "all 1"
             raise LayoutError(
-                f"{test_name}: @pytest.mark.megatron({shown}) does not fit world size {size}: "
-                f"{what} = {product} must divide it"
+                f"{test_name}: @pytest.mark.megatron({shown}) does not fit world size "
+                f"{world_size}: {what} = {product} must divide it"
             )

@@ -31,23 +31,24 @@ def declared_sizes(marker: Any, test_name: str) -> list[int | str]:
         )
     if not sizes:
         raise MarkerError(f"{test_name}: @pytest.mark.world_size needs at least one size")
-    repeated = sorted({repr(size) for size in sizes if sizes.count(size) > 1})
+    repeated = sorted({repr(world_size) for world_size in sizes if sizes.count(world_size) > 1})
     if repeated:
         raise MarkerError(
             f"{test_name}: @pytest.mark.world_size repeats {', '.join(repeated)}: "
             "each size makes one test"
         )
-    for size in sizes:
-        valid = size == ALL or (type(size) is int and size > 0)
+    for world_size in sizes:
+        valid = world_size == ALL or (type(world_size) is int and world_size > 0)
         if not valid:
             raise MarkerError(
-                f"{test_name}: @pytest.mark.world_size expects positive ints or 'all', got {size!r}"
+                f"{test_name}: @pytest.mark.world_size expects positive ints or 'all', "
+                f"got {world_size!r}"
             )
     return sizes
 
 
-def resolve(size: int | str, device_count: Callable[[], int]) -> int:
-    return device_count() if size == ALL else int(size)
+def resolve(world_size: int | str, device_count: Callable[[], int]) -> int:
+    return device_count() if world_size == ALL else int(world_size)
 
 
 def parametrize_sizes(metafunc: pytest.Metafunc, device_count: Callable[[], int]) -> list[int]:
@@ -81,9 +82,9 @@ def default_world_size(value: str | None) -> int | None:
     if value in (None, ""):
         return None
     try:
-        size = int(value)
+        world_size = int(value)
     except ValueError:
-        size = 0
-    if size < 1:
+        world_size = 0
+    if world_size < 1:
         raise pytest.UsageError(f"--megatron-world-size must be a positive int, got {value!r}")
-    return size
+    return world_size

@@ -72,12 +72,12 @@ def parse_devices(
     return DeviceSet("cuda", ids, physical)
 
 
-def block_for(devices: DeviceSet, size: int, slot: int = 0) -> tuple[int, ...] | None:
+def block_for(devices: DeviceSet, world_size: int, slot: int = 0) -> tuple[int, ...] | None:
     """The aligned block of `size` devices with index `slot`, or None when it does not fit."""
-    start = slot * size
-    if size < 1 or start + size > devices.count:
+    start = slot * world_size
+    if world_size < 1 or start + world_size > devices.count:
         return None
-    return devices.ids[start : start + size]
+    return devices.ids[start : start + world_size]
 
 
 def _split_visible(cuda_visible: str | None, gpu_count: int) -> tuple[str, ...]:
@@ -103,19 +103,19 @@ def _non_negative_int(text: str, spec: str) -> int:
     return value
 
 
-def gang_slot(worker: int, size: int, count: int) -> int | None:
+def gang_slot(worker: int, world_size: int, count: int) -> int | None:
     """Which aligned block of `size` devices worker `worker` uses: its own index when that block
     fits, else its index modulo the number of blocks (None when no block of that size fits)."""
-    blocks = count // size if size > 0 else 0
+    blocks = count // world_size if world_size > 0 else 0
     if blocks == 0:
         return None
     return worker % blocks
 
 
-def worker_block(devices: DeviceSet, worker: int, size: int) -> tuple[int, ...] | None:
+def worker_block(devices: DeviceSet, worker: int, world_size: int) -> tuple[int, ...] | None:
     """The devices a gang of `size` ranks on worker `worker` runs on."""
-    slot = gang_slot(worker, size, devices.count)
-    return None if slot is None else block_for(devices, size, slot)
+    slot = gang_slot(worker, world_size, devices.count)
+    return None if slot is None else block_for(devices, world_size, slot)
 
 
 def home_device(devices: DeviceSet, worker: int) -> int:
@@ -123,16 +123,16 @@ def home_device(devices: DeviceSet, worker: int) -> int:
     return devices.ids[worker % devices.count]
 
 
-def devices_of(devices: DeviceSet, worker: int, size: int | None) -> tuple[int, ...]:
+def devices_of(devices: DeviceSet, worker: int, world_size: int | None) -> tuple[int, ...]:
     """Devices an item occupies while it runs: its gang's block, or the home device (size None)."""
-    if size is None:
+    if world_size is None:
         return (home_device(devices, worker),)
-    return worker_block(devices, worker, size) or ()
+    return worker_block(devices, worker, world_size) or ()
 
 
-def positions(devices: DeviceSet, worker: int, size: int | None) -> frozenset[int]:
+def positions(devices: DeviceSet, worker: int, world_size: int | None) -> frozenset[int]:
     """`devices_of`, as a set to compare and combine."""
-    return frozenset(devices_of(devices, worker, size))
+    return frozenset(devices_of(devices, worker, world_size))
 
 
 def to_dict(devices: DeviceSet) -> dict[str, object]:

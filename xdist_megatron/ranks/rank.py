@@ -298,13 +298,13 @@ class _JobRunner:
         the next test a working one of the gang's size (or the gang is retired)."""
         import torch.distributed as dist
 
-        size = dist.get_world_size() if dist.is_initialized() else None
-        if size == self.spec.world_size:
+        world_size = dist.get_world_size() if dist.is_initialized() else None
+        if world_size == self.spec.world_size:
             if _default_group() is not self._default_group:
                 self._forget_rendezvous()
                 self._default_group = _default_group()
             return ""
-        if size is not None:
+        if world_size is not None:
             dist.destroy_process_group()
         self._restores += 1
         store = dist.PrefixStore(f"xdist-megatron/restored/{self._restores}", _store)
@@ -312,7 +312,7 @@ class _JobRunner:
             self.spec.backend, store=store, rank=self.rank, world_size=self.spec.world_size
         )
         self._default_group = _default_group()
-        left = "destroyed" if size is None else f"re-created with {size} ranks"
+        left = "destroyed" if world_size is None else f"re-created with {world_size} ranks"
         return f"the test left the default process group {left}; the gang restored it"
 
     def _forget_rendezvous(self) -> None:

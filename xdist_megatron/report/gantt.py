@@ -83,10 +83,10 @@ def _tick_step(seconds: float) -> float:
 
 def _legend(sizes: list[int], y: int) -> list[str]:
     parts = []
-    for index, size in enumerate(sizes):
+    for index, world_size in enumerate(sizes):
         x = LEFT + index * 90
-        colour = COLOURS.get(size or None, OTHER_COLOUR)
-        label = f"world size {size}" if size else "driver"
+        colour = COLOURS.get(world_size or None, OTHER_COLOUR)
+        label = f"world size {world_size}" if world_size else "driver"
         parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{colour}"/>')
         parts.append(f'<text x="{x + 14}" y="{y}">{label}</text>')
     return parts

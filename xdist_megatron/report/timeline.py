@@ -111,14 +111,14 @@ def _gang_lines(events: list[GangEvent]) -> list[str]:
     for event in events:
         causes[event.world_size, event.kind][event.cause] += 1
     lines = []
-    for size in sorted({size for size, _ in causes}):
+    for world_size in sorted({world_size for world_size, _ in causes}):
         parts = []
         for kind, word in (("start", "started"), ("retire", "retired")):
-            counts = causes.get((size, kind))
+            counts = causes.get((world_size, kind))
             if counts:
                 why = ", ".join(f"{n} {cause}" for cause, n in sorted(counts.items()))
                 parts.append(f"{sum(counts.values())} {word} ({why})")
-        lines.append(f"gangs of {size}: " + "; ".join(parts))
+        lines.append(f"gangs of {world_size}: " + "; ".join(parts))
     return lines
 
 
@@ -127,12 +127,12 @@ def _size_lines(spans: list[Span]) -> list[str]:
     for span in spans:
         per_size[span.world_size].append(span)
     lines = []
-    for size in sorted(per_size, key=lambda s: s or 0):
-        group = per_size[size]
+    for world_size in sorted(per_size, key=lambda s: s or 0):
+        group = per_size[world_size]
         seconds = sum(s.seconds for s in group)
-        lines.append(f"{_ws(size)}: {len(group)} tests, {seconds:.1f} s")
+        lines.append(f"{_ws(world_size)}: {len(group)} tests, {seconds:.1f} s")
     return lines
 
 
-def _ws(size: int | None) -> str:
-    return f"ws{size}" if size else "driver"
+def _ws(world_size: int | None) -> str:
+    return f"ws{world_size}" if world_size else "driver"
