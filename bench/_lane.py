@@ -27,7 +27,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from _memory import PeakMemory
-from _util import table
+from _util import left_out_line, progress, resolve_devices, table
 
 RECORDS_VAR = "LANE_RECORDS"
 OUTCOMES_FILE = "outcomes.jsonl"
@@ -175,6 +174,7 @@ class Settings:
     png_dir: str
     json_path: str | None
     keep_lane: str | None
+    left_out: list[str]  # world sizes of the mix that do not fit the devices, and why
 
 
 @dataclass
@@ -238,13 +238,7 @@ def parse_weights(text: str) -> dict[int, float]:
 
 def device_ids(spec: str) -> list[int]:
     """The device ids `--megatron-devices` names ('cpu:8' or '0,1,2,3')."""
-    if spec.startswith("cpu:"):
-        return list(range(int(spec[4:])))
-    return [int(part) for part in spec.split(",")]
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    return list(resolve_devices(spec).ids)
 
 
 # -- the lane -------------------------------------------------------------------------------------
@@ -282,15 +276,16 @@ def make_lane(settings: Settings) -> list[LaneTest]:
 # -- running --------------------------------------------------------------------------------------
 
 
-def run_lane(folder: Path, command: list[str], label: str) -> Run:
-    """Run pytest on the lane in its own process group; read back what the processes logged."""
+def run_lane(folder: Path, command: list[str], label: str, env: dict[str, str]) -> Run:
+    """Run pytest on the lane in its own process group, `env` added to its environment; read
+    back what the processes logged."""
     records = folder / f"records-{label.replace(' ', '-')}"
     shutil.rmtree(records, ignore_errors=True)
     records.mkdir()
     progress(f"{label}: {' '.join(command[1:])}")
     launched = time.time()
     proc = subprocess.Popen(
-        command, cwd=folder, env={**os.environ, RECORDS_VAR: str(records)},
+        command, cwd=folder, env={**os.environ, **env, RECORDS_VAR: str(records)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     with PeakMemory(proc.pid) as memory:
@@ -586,7 +581,8 @@ def lane_description(settings: Settings, lane: list[LaneTest]) -> str:
     heavy = f", each imports {settings.heavy_import}" if settings.heavy_import else ""
     return (
         f"lane    : {settings.modules} modules, {sizes}, {unmarked} unmarked; sleeps "
-        f"{'/'.join(f'{d:g}' for d in settings.durations)} s (seed {settings.seed}){heavy}"
+        f"{'/'.join(f'{d:g}' for d in settings.durations)} s (seed {settings.seed}){heavy}\n"
+        f"{left_out_line(settings.left_out)}"
     )
 
 

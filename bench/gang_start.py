@@ -9,26 +9,44 @@ This benchmark backs the README's numbers with two measurements:
 2. Per-test time of no-op tests in one pytest run, from its junit XML: world_size(2) tests against
    unmarked ones; the difference is what the plugin adds to every distributed test.
 
-Run `python bench/gang_start.py --help` for the options. Progress goes to stderr, tables to stdout.
+Sizes larger than the devices (`--devices`) are left out of both parts, and the report says so;
+on one device the per-test suite uses world_size(1). Run `python bench/gang_start.py --help` for
+the options. Progress goes to stderr, tables to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import selectors
 import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import IO, Any
 
-from _util import command_line, header_lines, machine, summarize, table, write_json
+from _util import (
+    BenchmarkError,
+    Devices,
+    add_devices_option,
+    device_set,
+    header_lines,
+    importable,
+    left_out_line,
+    machine,
+    passed_times,
+    progress,
+    resolve_devices,
+    run_junit_suite,
+    summarize,
+    table,
+    write_ini,
+    write_record,
+    zygote_client,
+)
 
 LOCALHOST = "127.0.0.1"
 START_TIMEOUT = 300.0  # a spawned gang of 8 importing megatron.core needs over a minute on 2 cores
@@ -37,23 +55,23 @@ IMPORTS_VAR = "GANG_START_IMPORTS"
 BASE_MODULES = ["torch", "torch.distributed"]
 MEGATRON = "megatron.core"
 SUITE_FILE = "test_noop.py"
+PER_TEST_SIZE = 2  # the world size of the per-test suite's marked tests, where it fits
 TARGET_WARM_S = 0.1
 TARGET_SPEEDUP_WS4 = 100.0
 TARGET_OVERHEAD_MS = 5.0
 
 
-class BenchmarkError(RuntimeError):
-    """A gang or the generated suite did not behave; the message says what happened."""
-
-
 @dataclass(frozen=True)
 class Settings:
-    sizes: list[int]
+    sizes: list[int]  # the asked sizes that fit the devices
     repeats: int
     cold_repeats: int
     tests: int
     use_megatron: bool
     json_path: str | None
+    devices: Devices
+    left_out: list[str]  # why each asked size that does not fit was left out
+    per_test_size: int  # PER_TEST_SIZE, or 1 where it does not fit
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -74,12 +92,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-megatron", action="store_true", help="leave megatron.core out of both gangs"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
+    add_devices_option(parser)
     parser.add_argument("--cold-rank", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
-    """Explicit options win; --quick only changes the defaults."""
+    """Explicit options win; --quick only changes the defaults. Sizes that do not fit the
+    devices are left out, with the reason."""
     sizes_text = args.sizes or ("1,2,4" if args.quick else "1,2,4,8")
     sizes = [int(s) for s in sizes_text.split(",") if s.strip()]
     repeats = args.repeats or (2 if args.quick else 5)
@@ -87,11 +107,18 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     tests = args.tests or (100 if args.quick else 200)
     if min(sizes, default=0) < 1 or repeats < 1 or cold_repeats < 1 or tests < 2:
         raise SystemExit("sizes and repeats must be >= 1, --tests >= 2")
-    return Settings(sizes, repeats, cold_repeats, tests, not args.no_megatron, args.json)
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    devices = resolve_devices(args.devices)
+    kept, left_out = devices.fitting(sizes)
+    per_test_size = PER_TEST_SIZE if devices.count >= PER_TEST_SIZE else 1
+    if per_test_size != PER_TEST_SIZE:
+        left_out.append(
+            f"per-test suite at ws{PER_TEST_SIZE}: {devices.shortfall(PER_TEST_SIZE)}; "
+            f"its marked tests are world_size({per_test_size})"
+        )
+    return Settings(
+        kept, repeats, cold_repeats, tests, not args.no_megatron, args.json, devices, left_out,
+        per_test_size,
+    )  # fmt: skip
 
 
 # -- cold: a torchrun-style spawned gang ----------------------------------------------------------
@@ -212,25 +239,25 @@ def log_tail(log: IO[bytes], lines: int = 20) -> str:
 # -- warm: a gang forked from the zygote ----------------------------------------------------------
 
 
-def start_zygote(modules: list[str], log: IO[bytes], standby: int) -> tuple[Any, float]:
+def start_zygote(
+    modules: list[str], log: IO[bytes], standby: int, devices: Devices
+) -> tuple[Any, float]:
     """A zygote that keeps `standby` ranks forked, as the plugin's does in a serial run; the time
     until its imports are done."""
-    # Imported here: spawned ranks run this file and must import only what they are timed on.
-    from xdist_megatron.zygote_client import ZygoteClient
-
     start = time.perf_counter()
-    zygote = ZygoteClient(modules, log, standby=standby)
+    zygote = zygote_client(modules, log, standby=standby, cuda=not devices.is_cpu)
     zygote.preload_failures  # noqa: B018 - waits until the zygote is ready
     return zygote, time.perf_counter() - start
 
 
-def time_warm_gang(zygote: Any, size: int, workdir: str) -> float:
+def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str) -> float:
     """Seconds for Gang(...).start(): fork from the zygote plus the rendezvous."""
+    # Imported here: spawned ranks run this file and must import only what they are timed on.
     from xdist_megatron import Gang
 
     start = time.perf_counter()
     # workdir: a standalone Gang otherwise leaves one temporary folder per start behind.
-    gang = Gang(world_size=size, zygote=zygote, workdir=workdir)
+    gang = Gang(world_size=size, devices=devices, zygote=zygote, workdir=workdir)
     try:
         gang.start()
         return time.perf_counter() - start
@@ -245,11 +272,7 @@ def candidate_modules(settings: Settings) -> tuple[list[str], str]:
     """The heavy modules both kinds of gang import, and a note on megatron.core."""
     if not settings.use_megatron:
         return list(BASE_MODULES), f"{MEGATRON} left out by --no-megatron"
-    try:
-        found = importlib.util.find_spec(MEGATRON) is not None
-    except ImportError:
-        found = False
-    if not found:
+    if not importable(MEGATRON):
         return list(BASE_MODULES), f"{MEGATRON} not importable: measured without it"
     return [*BASE_MODULES, MEGATRON], f"{MEGATRON} imported by cold ranks, preloaded by the zygote"
 
@@ -259,14 +282,18 @@ def measure_gang_start(settings: Settings, workdir: str, log: IO[bytes]) -> dict
 
     modules, note = candidate_modules(settings)
     progress(f"zygote: preloading {', '.join(modules)}")
-    zygote, zygote_s = start_zygote(modules, log, standby=max(settings.sizes))
+    standby = max(settings.sizes, default=0)
+    zygote, zygote_s = start_zygote(modules, log, standby, settings.devices)
+    devices = device_set(settings.devices)
     try:
         failed = {m: why for m, why in zygote.preload_failures.items() if m in modules}
         if failed:
             modules = [m for m in modules if m not in failed]
             note = "; ".join(f"{m} left out, not importable: {why}" for m, why in failed.items())
         warm = {
-            size: repeat(f"warm ws{size}", settings.repeats, time_warm_gang, zygote, size, workdir)
+            size: repeat(
+                f"warm ws{size}", settings.repeats, time_warm_gang, zygote, size, devices, workdir
+            )
             for size in settings.sizes
         }
     finally:
@@ -300,76 +327,45 @@ def repeat(label: str, times: int, measure: Any, *args: Any) -> list[float]:
 # -- part 2: per-test overhead --------------------------------------------------------------------
 
 
-def write_suite(folder: str, count: int, preload: list[str]) -> None:
-    """`count` no-op world_size(2) tests interleaved with `count` plain ones, so drift hits both."""
-    with open(os.path.join(folder, "pytest.ini"), "w") as f:
-        f.write("[pytest]\nmegatron_preload =\n" + "".join(f"    {m}\n" for m in preload))
+def write_suite(folder: str, count: int, size: int, preload: list[str]) -> None:
+    """`count` no-op world_size(size) tests interleaved with `count` plain ones, so drift hits
+    both."""
+    write_ini(folder, ["megatron_preload =", *(f"    {m}" for m in preload)])
     parts = ["import pytest\n"]
     for i in range(count):
         parts.append(
-            f"\n\n@pytest.mark.world_size(2)\ndef test_ws2_{i:04d}():\n    pass\n"
+            f"\n\n@pytest.mark.world_size({size})\ndef test_marked_{i:04d}():\n    pass\n"
             f"\n\ndef test_plain_{i:04d}():\n    pass\n"
         )
     with open(os.path.join(folder, SUITE_FILE), "w") as f:
         f.write("".join(parts))
 
 
-def run_suite(folder: str, count: int) -> tuple[str, float]:
-    """Run the suite once as a user would; return the junit XML path and the wall time."""
-    junit = os.path.join(folder, "junit.xml")
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--junitxml={junit}",
-        SUITE_FILE,
-    ]
-    progress(f"suite: {count} world_size(2) + {count} plain no-op tests: {' '.join(command[1:])}")
-    start = time.perf_counter()
-    result = subprocess.run(
-        command, cwd=folder, capture_output=True, text=True, timeout=START_TIMEOUT + 30 * count
-    )
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).splitlines()[-30:])
-        raise BenchmarkError(f"the generated suite failed (exit {result.returncode}):\n{tail}")
-    return junit, wall
-
-
-def junit_times(path: str) -> tuple[list[float], list[float]]:
-    """Per-test seconds (setup + call + teardown) of the ws2 and plain tests, in run order."""
-    ws2: list[float] = []
-    plain: list[float] = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
-        name = case.get("name", "")
-        if any(case.find(tag) is not None for tag in ("failure", "error", "skipped")):
-            raise BenchmarkError(f"{name} did not pass; see {path}")
-        (ws2 if name.startswith("test_ws2_") else plain).append(float(case.get("time", "nan")))
-    return ws2, plain
-
-
 def measure_per_test(settings: Settings, preload: list[str]) -> dict[str, Any]:
+    count, size = settings.tests, settings.per_test_size
     with tempfile.TemporaryDirectory(prefix="gang-start-suite-") as folder:
-        write_suite(folder, settings.tests, preload)
-        junit, wall = run_suite(folder, settings.tests)
-        ws2, plain = junit_times(junit)
-    if len(ws2) != settings.tests or len(plain) != settings.tests:
-        raise BenchmarkError(
-            f"expected {settings.tests} tests of each kind, got {len(ws2)} and {len(plain)}"
-        )
-    ws2_ms = summarize([t * 1000 for t in ws2[1:]])  # the first one starts the zygote and gang
+        write_suite(folder, count, size, preload)
+        label = f"suite: {count} world_size({size}) + {count} plain no-op tests"
+        options = settings.devices.plugin_options()
+        timeout = START_TIMEOUT + 30 * count
+        junit, wall = run_junit_suite(folder, SUITE_FILE, options, label, timeout)
+        cases = passed_times(junit)
+    marked = [seconds for name, seconds in cases if name.startswith("test_marked_")]
+    plain = [seconds for name, seconds in cases if name.startswith("test_plain_")]
+    if len(marked) != count or len(plain) != count:
+        got = f"{len(marked)} and {len(plain)}"
+        raise BenchmarkError(f"expected {count} tests of each kind, got {got}")
+    marked_ms = summarize([t * 1000 for t in marked[1:]])  # the first starts the zygote and gang
     plain_ms = summarize([t * 1000 for t in plain])
     return {
-        "tests_per_kind": settings.tests,
+        "tests_per_kind": count,
+        "size": size,
         "preload": preload,
         "wall_s": wall,
-        "first_test_ms": ws2[0] * 1000,
-        "ws2_ms": ws2_ms,
+        "first_test_ms": marked[0] * 1000,
+        "marked_ms": marked_ms,
         "plain_ms": plain_ms,
-        "overhead_ms": {q: ws2_ms[q] - plain_ms[q] for q in ("median", "p90")},
+        "overhead_ms": {q: marked_ms[q] - plain_ms[q] for q in ("median", "p90")},
     }
 
 
@@ -399,11 +395,12 @@ def gang_table(start: dict[str, Any], settings: Settings) -> str:
 
 
 def per_test_table(per_test: dict[str, Any]) -> str:
-    ws2, plain, overhead = per_test["ws2_ms"], per_test["plain_ms"], per_test["overhead_ms"]
+    marked, plain, overhead = per_test["marked_ms"], per_test["plain_ms"], per_test["overhead_ms"]
+    size = per_test["size"]
     rows = [
-        ["world_size(2), first excluded", str(ws2["n"]), *ms_cells(ws2)],
+        [f"world_size({size}), first excluded", str(marked["n"]), *ms_cells(marked)],
         ["plain", str(plain["n"]), *ms_cells(plain)],
-        ["overhead (ws2 - plain)", "", *ms_cells(overhead)],
+        [f"overhead (ws{size} - plain)", "", *ms_cells(overhead)],
     ]
     title = (
         f"Per-test time of a no-op test [ms]  (one pytest run of {per_test['tests_per_kind']} "
@@ -437,7 +434,7 @@ def targets(start: dict[str, Any], per_test: dict[str, Any]) -> list[dict[str, A
             "met": by_size[4]["ratio"] >= TARGET_SPEEDUP_WS4 if 4 in by_size else None,
         },
         {
-            "target": f"no-op ws2 overhead p50 <= {TARGET_OVERHEAD_MS:.0f} ms",
+            "target": f"no-op ws{per_test['size']} overhead p50 <= {TARGET_OVERHEAD_MS:.0f} ms",
             "measured": f"{per_test['overhead_ms']['median']:.2f} ms",
             "met": per_test["overhead_ms"]["median"] <= TARGET_OVERHEAD_MS,
         },
@@ -460,6 +457,8 @@ def report(
     lines = header_lines("xdist-megatron benchmark: gang start and per-test overhead", info)
     lines += [
         f"modules : {', '.join(start['modules'])} ({start['megatron']})",
+        f"devices : {settings.devices.describe()}",
+        left_out_line(settings.left_out),
         "",
         f"Zygote start (preloads the modules above and the plugin's own): "
         f"{start['zygote_start_s']:.2f} s, once per driver",
@@ -487,16 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     per_test = measure_per_test(settings, start["modules"])
     checks = targets(start, per_test)
     print(report(settings, info, start, per_test, checks))
-    if settings.json_path:
-        record = {
-            "machine": info,
-            "command": command_line(),
-            "settings": asdict(settings),
-            "gang_start": start,
-            "per_test": per_test,
-            "targets": checks,
-        }
-        write_json(settings.json_path, record)
+    write_record(
+        settings.json_path, info, settings=asdict(settings), gang_start=start,
+        per_test=per_test, targets=checks,
+    )  # fmt: skip
     return 0
 
 

@@ -15,6 +15,9 @@ records its span (bench/_lane.py's recorder and analysis). Every module imports 
      run the body and exit;
   f. the ideal bound: max(sum of k * d / devices, longest test) plus one warm gang start.
 
+World sizes of the mix larger than the devices (`--devices`) are left out, and the report says so;
+(d) and (e), whose ranks the plugin does not place, see only those devices.
+
 For (a) it also prints where the devices' time went (bodies, starting tests, held-back tests,
 idle), overlaps and lost tests. The scheduler's lane on its own:
 `python bench/lane.py --only a --workers 8 --devices cpu:8 --modules 6 --tests 10 --unmarked 1
@@ -51,7 +54,7 @@ from _lane import (
     run_lane,
     verdict,
 )
-from _util import command_line, header_lines, machine, table, write_json
+from _util import Devices, command_line, header_lines, machine, resolve_devices, table, write_json
 
 INFO = machine()  # at import, before the runs: the load they start under
 WARM_GANG_START = 0.1  # seconds: a gang forked from a warm zygote (bench/gang_start.py)
@@ -144,6 +147,7 @@ class Strategy:
     folder: str
     commands: list[list[str]]
     sizes: list[int | None]  # per command, the world size whose outcomes count (None: all)
+    env: dict[str, str]  # added to the environment of its commands
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -154,7 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--workers", default="auto", help="-n of (a) (default auto: the GPUs, else the cores)"
     )
-    parser.add_argument("--devices", help="--megatron-devices (default: the GPUs, else cpu:8)")
+    parser.add_argument(
+        "--devices", help="--megatron-devices (default: the GPUs, else cpu:max(8, cores))"
+    )
     parser.add_argument("--modules", type=int, help="test modules (default 4, quick 3)")
     parser.add_argument("--tests", type=int, help="tests per module (default 6)")
     parser.add_argument(
@@ -190,17 +196,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def gpu_count() -> int:
-    """Visible CUDA devices, asked in a child so that this process stays light."""
-    code = "import torch; print(torch.cuda.device_count())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip() or 0)
-
-
 def resolve_settings(args: argparse.Namespace) -> Settings:
     """lane.py's Settings for the suite; explicit options win, --quick changes the defaults."""
-    gpus = 0 if args.devices else gpu_count()
-    devices = args.devices or (",".join(map(str, range(gpus))) if gpus else "cpu:8")
+    devices = resolve_devices(args.devices)
     if args.unmarked and set(args.only) - {"a"}:
         raise SystemExit("--unmarked needs --only a: the other strategies run marked tests only")
     workers = args.workers
@@ -211,28 +209,31 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     )
     weights = args.weights or ("1:2,2:1,4:1" if args.quick else "1:4,2:3,4:2,8:1")
     durations = args.durations or ("0.5,1" if args.quick else "0.5,1,1.5,2")
+    kept, left_out = fitting(parse_weights(weights), devices)
     return Settings(
         workers=workers,  # type: ignore[arg-type]  # "auto" or a count, passed to -n
-        devices=devices,
+        devices=devices.spec,
         modules=args.modules or (3 if args.quick else 4),
         tests=args.tests or 6,
         unmarked=args.unmarked,
-        weights=fitting(parse_weights(weights), len(device_ids(devices))),
+        weights=kept,
         durations=[float(d) for d in durations.split(",")],
         seed=args.seed,
         heavy_import=heavy,
         png_dir=args.png_dir,
         json_path=args.json,
         keep_lane=args.keep_suite,
+        left_out=left_out,
     )
 
 
-def fitting(weights: dict[int, float], device_count: int) -> dict[int, float]:
-    """The mix without sizes larger than the devices (they would only be skipped)."""
-    kept = {size: weight for size, weight in weights.items() if size <= device_count}
-    if not kept:
-        raise SystemExit(f"no world size of the mix fits {device_count} devices")
-    return kept
+def fitting(weights: dict[int, float], devices: Devices) -> tuple[dict[int, float], list[str]]:
+    """The mix without sizes larger than the devices (they would only be skipped), and why each
+    was left out."""
+    sizes, left_out = devices.fitting(sorted(weights))
+    if not sizes:
+        raise SystemExit(f"no world size of the mix fits: {'; '.join(left_out)}")
+    return {size: weights[size] for size in sizes}, left_out
 
 
 # -- the suite ------------------------------------------------------------------------------------
@@ -337,6 +338,7 @@ def strategies(
     run = [*py, "torch.distributed.run", "--standalone"]
     torchrun = [[*run, f"--nproc-per-node={k}", "-m", "pytest", *quiet] for k in sizes]
     per_test = "MultiProcessTestCase" if harness else "spawned gang per test (equivalent)"
+    unplaced = resolve_devices(settings.devices).visible_env()  # ranks the plugin does not place
     return [
         Strategy(
             "a",
@@ -344,23 +346,21 @@ def strategies(
             "suite",
             [[*py, "pytest", "-n", str(settings.workers), "--dist", "megatron", *common]],
             [None],
+            {},
         ),
-        Strategy("b", "b: pytest, session gangs", "suite", [[*py, "pytest", *common]], [None]),
+        Strategy("b", "b: pytest, session gangs", "suite", [[*py, "pytest", *common]], [None], {}),
         Strategy(
             "c",
             "c: pytest, gang per module",
             "suite",
             [[*py, "pytest", "-o", "megatron_gang_scope=module", *common]],
             [None],
+            {},
         ),
-        Strategy("d", "d: torchrun per world size, summed", "suite", torchrun, list(sizes)),
         Strategy(
-            "e",
-            f"e: {per_test}",
-            "per_test",
-            [[*py, "pytest", *quiet]],
-            [None],
+            "d", "d: torchrun per world size, summed", "suite", torchrun, list(sizes), unplaced
         ),
+        Strategy("e", f"e: {per_test}", "per_test", [[*py, "pytest", *quiet]], [None], unplaced),
     ]
 
 
@@ -392,7 +392,7 @@ def merge(runs: list[Run], sizes: list[int | None], lane: list[LaneTest], label:
 def run_strategy(root: Path, strategy: Strategy, lane: list[LaneTest], ids: list[int]) -> dict:
     """Run the strategy's commands in sequence; its wall time is the sum of theirs."""
     runs = [
-        run_lane(root / strategy.folder, command, f"{strategy.key}{i}")
+        run_lane(root / strategy.folder, command, f"{strategy.key}{i}", strategy.env)
         for i, command in enumerate(strategy.commands)
     ]
     result = analyse(merge(runs, strategy.sizes, lane, strategy.label), lane, ids)
@@ -492,8 +492,8 @@ def run_all(
     root: Path, settings: Settings, lane: list[LaneTest], args: argparse.Namespace
 ) -> list[dict]:
     """Write both suites, run the chosen strategies, add the ideal row."""
-    harness = harness_works()
-    if not harness:
+    harness = "e" in args.only and harness_works()  # the probe imports torch: only where needed
+    if "e" in args.only and not harness:
         progress(f"{HARNESS} does not import here: (e) uses the spawned-gang equivalent")
     write_suite(root / "suite", lane, settings.heavy_import, marked_source)
     per_test = harness_source if harness else spawned_source

@@ -10,7 +10,8 @@ The benchmark generates N world_size(W) tests in two variants that differ only i
 the layout; each body does one all_reduce on the tensor-parallel group (on the `device` fixture, so
 on GPUs NCCL really creates that communicator). Each variant runs in its own pytest run, and
 per-test times come from its junit XML. The first test of each run is left out: it waits for the
-zygote and starts the gang.
+zygote and starts the gang. A layout larger than the devices (`--devices`) shrinks to the largest
+that fits (tp first, then pp), and the report says what was left out.
 
 Run `python bench/layout_reuse.py --help` for the options. Progress goes to stderr, the table to
 stdout.
@@ -19,20 +20,31 @@ stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
-import time
-import xml.etree.ElementTree as ElementTree
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from _util import command_line, header_lines, machine, summarize, table, write_json
+from _util import (
+    BenchmarkError,
+    Devices,
+    add_devices_option,
+    header_lines,
+    importable,
+    left_out_line,
+    machine,
+    passed_times,
+    progress,
+    resolve_devices,
+    run_junit_suite,
+    summarize,
+    table,
+    write_ini,
+    write_record,
+)
 
 SUITE_FILE = "test_layout.py"
-CPU_SLOTS = 8
 RUN_TIMEOUT_BASE_S = 600.0
 RUN_TIMEOUT_PER_TEST_S = 30.0
 
@@ -68,10 +80,6 @@ def test_{index:04d}(device):
 """
 
 
-class BenchmarkError(RuntimeError):
-    """The generated suite did not behave; the message says what happened."""
-
-
 @dataclass(frozen=True)
 class Settings:
     tests: int
@@ -79,6 +87,9 @@ class Settings:
     tp: int
     pp: int
     json_path: str | None
+
+    def layout(self) -> str:
+        return f"world_size({self.world_size}) tp={self.tp} pp={self.pp}"
 
 
 @dataclass(frozen=True)
@@ -97,19 +108,21 @@ VARIANTS = (
 # -- command line ---------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> Settings:
+def parse_args(argv: list[str] | None) -> tuple[Settings, str | None]:
+    """The settings asked for, and the --devices spec."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", type=int, default=40, help="tests per variant (default 40)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per test (default 2)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
+    add_devices_option(parser)
     args = parser.parse_args(argv)
     settings = Settings(args.tests, args.world_size, args.tp, args.pp, args.json)
     problem = invalid(settings)
     if problem:
         parser.error(problem)
-    return settings
+    return settings, args.devices
 
 
 def invalid(settings: Settings) -> str | None:
@@ -120,32 +133,28 @@ def invalid(settings: Settings) -> str | None:
         return "--world-size, --tp and --pp must be >= 1"
     if settings.world_size % (settings.tp * settings.pp):
         return f"--world-size {settings.world_size} is not a multiple of tp * pp"
-    if importlib.util.find_spec("megatron.core") is None:
+    if not importable("megatron.core"):
         return "megatron.core is not importable: install megatron-core"
     return None
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- devices --------------------------------------------------------------------------------------
 
 
-def device_options(world_size: int) -> tuple[list[str], str]:
-    """pytest options choosing the devices, and how to describe them in the header.
-
-    GPUs: the plugin's default (every visible GPU, NCCL). CPU: enough gloo slots for the gang.
-    """
-    import torch
-
-    gpus = torch.cuda.device_count()  # counts without creating a CUDA context in this process
-    if gpus:
-        if gpus < world_size:
-            raise BenchmarkError(f"world size {world_size} needs {world_size} GPUs, {gpus} visible")
-        return [], f"{gpus} visible GPUs (cpu:gloo,cuda:nccl; tensors on CUDA)"
-    slots = max(CPU_SLOTS, world_size)
-    return [f"--megatron-devices=cpu:{slots}"], f"cpu:{slots} (gloo)"
+def fit_layout(settings: Settings, devices: Devices) -> tuple[Settings, list[str]]:
+    """The largest layout of at most the asked sizes that fits the devices: tp shrinks first,
+    then pp, then the world size to a multiple of tp * pp; and what was left out."""
+    if settings.world_size <= devices.count:
+        return settings, []
+    world_size = devices.count
+    tp = min(settings.tp, world_size)
+    pp = min(settings.pp, world_size // tp)
+    fitted = replace(settings, world_size=world_size // (tp * pp) * tp * pp, tp=tp, pp=pp)
+    note = (
+        f"{settings.layout()}: {devices.shortfall(settings.world_size)}; "
+        f"measured {fitted.layout()} instead"
+    )
+    return fitted, [note]
 
 
 # -- one variant ----------------------------------------------------------------------------------
@@ -153,8 +162,7 @@ def device_options(world_size: int) -> tuple[list[str], str]:
 
 def write_suite(folder: str, variant: Variant, settings: Settings) -> None:
     """The variant's tests in one module, so no module-boundary reset happens between them."""
-    with open(os.path.join(folder, "pytest.ini"), "w") as f:
-        f.write("[pytest]\n")  # the folder is the rootdir: no outer configuration applies
+    write_ini(folder)
     tests = (
         variant.template.format(
             index=index, world_size=settings.world_size, tp=settings.tp, pp=settings.pp
@@ -165,43 +173,15 @@ def write_suite(folder: str, variant: Variant, settings: Settings) -> None:
         f.write(SUITE_HEAD + "".join(tests))
 
 
-def run_suite(folder: str, variant: Variant, options: list[str], tests: int) -> tuple[str, float]:
-    """Run the suite once as a user would; return the junit XML path and the wall time."""
-    junit = os.path.join(folder, "junit.xml")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    command += [f"--junitxml={junit}", *options, SUITE_FILE]
-    progress(f"{variant.name}: {tests} tests: python {' '.join(command[1:])}")
-    start = time.perf_counter()
-    result = subprocess.run(
-        command,
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_BASE_S + RUN_TIMEOUT_PER_TEST_S * tests,
-    )
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).splitlines()[-40:])
-        raise BenchmarkError(f"the {variant.name} suite failed (exit {result.returncode}):\n{tail}")
-    return junit, wall
-
-
-def junit_seconds(path: str, expected: int) -> list[float]:
-    """Per-test seconds (setup + call + teardown) in run order; every test must have passed."""
-    cases = list(ElementTree.parse(path).getroot().iter("testcase"))
-    for case in cases:
-        if any(case.find(tag) is not None for tag in ("failure", "error", "skipped")):
-            raise BenchmarkError(f"{case.get('name')} did not pass; see {path}")
-    if len(cases) != expected:
-        raise BenchmarkError(f"expected {expected} tests in {path}, found {len(cases)}")
-    return [float(case.get("time", "nan")) for case in cases]
-
-
 def measure(variant: Variant, settings: Settings, options: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"layout-reuse-{variant.name}-") as folder:
         write_suite(folder, variant, settings)
-        junit, wall = run_suite(folder, variant, options, settings.tests)
-        seconds = junit_seconds(junit, settings.tests)
+        label = f"{variant.name}: {settings.tests} tests"
+        timeout = RUN_TIMEOUT_BASE_S + RUN_TIMEOUT_PER_TEST_S * settings.tests
+        junit, wall = run_junit_suite(folder, SUITE_FILE, options, label, timeout)
+        seconds = [s for _, s in passed_times(junit)]
+    if len(seconds) != settings.tests:
+        raise BenchmarkError(f"expected {settings.tests} tests in {junit}, found {len(seconds)}")
     measured_ms = [s * 1000 for s in seconds[1:]]
     progress(f"{variant.name}: wall {wall:.1f} s, median {summarize(measured_ms)['median']:.1f} ms")
     return {
@@ -267,13 +247,15 @@ def results_table(results: list[dict[str, Any]], comparison: dict[str, Any]) -> 
 def report(
     settings: Settings,
     info: dict[str, Any],
-    devices: str,
+    devices: Devices,
+    left_out: list[str],
     results: list[dict[str, Any]],
     comparison: dict[str, Any],
 ) -> str:
     lines = header_lines("xdist-megatron benchmark: Megatron layout reuse", info)
     lines += [
-        f"devices : {devices}",
+        f"devices : {devices.describe()}",
+        left_out_line(left_out),
         f"suite   : {settings.tests} tests per variant, world_size({settings.world_size}), "
         f"tp={settings.tp} pp={settings.pp}; body: all_reduce on the TP group",
         *(f"{r['variant']:<8}: {r['description']}" for r in results),
@@ -286,22 +268,18 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_args(argv)
+    asked, spec = parse_args(argv)
     info = machine()
-    options, devices = device_options(settings.world_size)
+    devices = resolve_devices(spec)
+    settings, left_out = fit_layout(asked, devices)
+    options = devices.plugin_options()
     results = [measure(variant, settings, options) for variant in VARIANTS]
     comparison = compare(*results)
-    print(report(settings, info, devices, results, comparison))
-    if settings.json_path:
-        record = {
-            "machine": info,
-            "command": command_line(),
-            "devices": devices,
-            "settings": asdict(settings),
-            "variants": results,
-            "comparison": comparison,
-        }
-        write_json(settings.json_path, record)
+    print(report(settings, info, devices, left_out, results, comparison))
+    write_record(
+        settings.json_path, info, devices=devices.spec, left_out=left_out,
+        settings=asdict(settings), variants=results, comparison=comparison,
+    )  # fmt: skip
     return 0
 
 

@@ -24,7 +24,10 @@ Example (Megatron-LM's subset, from bench/out/megatron_lm, see its setup_device.
   python ../../real_suite.py tests/unit_tests --nproc 2 --json ../megatron_lm.json
 TESTDIR is relative to the current directory; the runs start in --cwd (default: here). Pass
 pytest options with `--pytest-args="-k parallel_state"` (every run, plain pytest's options only)
-and the plugin's with `--plugin-args="--megatron-devices 0,1"` (serial, xdist, faults-serial).
+and the plugin's with `--plugin-args="--megatron-timeout 60"` (serial, xdist, faults-serial).
+`--devices` chooses the devices of every mode (the plugin's `--megatron-devices`; torchrun's ranks
+see only those GPUs, or none for `cpu:N`); with fewer devices than `--nproc`, every mode runs at
+one rank per device, and the faults (they need rank 1) need two: the report says what it left out.
 """
 
 from __future__ import annotations
@@ -45,8 +48,18 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _lane import progress
-from _util import header_lines, machine, table, write_json
+from _util import (
+    Devices,
+    add_devices_option,
+    header_lines,
+    left_out_line,
+    machine,
+    progress,
+    resolve_devices,
+    table,
+    tail,
+    write_json,
+)
 
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
@@ -58,6 +71,7 @@ JUNIT_OUTCOMES = {"failure": "failed"}
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL of a run's process group
 RUN_TAG = "REAL_SUITE_RUN"  # in each run's environment, to find all of its processes
 LOG_TAIL = 15  # lines of a run's log shown when it went wrong
+FAULT_RANKS = 2  # the fault tests crash or hang rank 1
 
 FAULT_HEADER = '''"""Injected by bench/real_suite.py (removed after the run): {what}."""
 
@@ -123,6 +137,7 @@ class Run:
     expected: list[str] = field(default_factory=list)
     tests: dict[str, TestResult] = field(default_factory=dict)
     log: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
 
     def outcome(self, key: str) -> str:
         result = self.tests.get(key)
@@ -165,6 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-diff", type=int, default=60, help="rows of a differences table")
     parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
+    add_devices_option(parser)
     args = parser.parse_args(argv)
     args.modes = [mode for mode in args.modes.split(",") if mode]
     unknown = set(args.modes) - set(MODES)
@@ -260,7 +276,7 @@ def execute(run: Run, cwd: Path, cap: float) -> None:
     Processes of the run still alive 3 s after it ended are reported (leftovers) and killed."""
     progress(f"{run.name}: {shlex.join(run.command)}")
     tag = f"{os.getpid()}-{run.name}-{time.time_ns()}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: tag}
+    env = {**os.environ, **run.env, "PYTHONUNBUFFERED": "1", RUN_TAG: tag}
     with open(run.log, "w") as log:
         started = time.monotonic()
         proc = subprocess.Popen(
@@ -378,10 +394,6 @@ def read_results(run: Run, junit: Path, stream: Path | None) -> None:
         run.tests, run.source = parse_stream(stream), "stream"
 
 
-def tail(text: str, lines: int) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
 # -- the modes ------------------------------------------------------------------------------------
 
 
@@ -397,13 +409,15 @@ class Plan:
     plugin_args: list[str]
     workers: str
     cap: float
+    devices: Devices
 
 
 def run_torchrun(plan: Plan, name: str, testdir: str, cap: float, expected: list[str]) -> Run:
     folder = plan.out / name
     folder.mkdir(parents=True, exist_ok=True)
     command = torchrun_command(plan.nproc, folder, [testdir, *plan.pytest_args])
-    run = Run(name, command, expected=expected, log=str(plan.out / f"{name}.log"))
+    log = str(plan.out / f"{name}.log")
+    run = Run(name, command, expected=expected, log=log, env=plan.devices.visible_env())
     execute(run, plan.cwd, cap)
     read_results(run, folder / "rank0.xml", folder / "rank0.jsonl")
     return run
@@ -411,7 +425,8 @@ def run_torchrun(plan: Plan, name: str, testdir: str, cap: float, expected: list
 
 def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: list[str]) -> Run:
     junit = plan.out / f"{name}.xml"
-    options = ["--megatron-world-size", str(plan.nproc), *extra, *plan.plugin_args]
+    options = ["--megatron-world-size", str(plan.nproc), *plan.devices.plugin_options()]
+    options += [*extra, *plan.plugin_args]
     options += plan.pytest_args
     run = Run(name, pytest_command(testdir, junit, options), expected=expected,
               log=str(plan.out / f"{name}.log"))  # fmt: skip
@@ -561,6 +576,19 @@ def as_json(runs: list[Run], args: argparse.Namespace) -> dict:
 # -- main -----------------------------------------------------------------------------------------
 
 
+def fit(nproc: int, modes: list[str], devices: Devices) -> tuple[int, list[str], list[str]]:
+    """Ranks per test and modes that fit the devices, and what was left out."""
+    left_out = []
+    if nproc > devices.count:
+        left_out.append(f"--nproc {nproc}: {devices.shortfall(nproc)}; ran {devices.count}")
+        nproc = devices.count
+    if "faults" in modes and nproc < FAULT_RANKS:
+        why = f"needs {FAULT_RANKS} ranks (rank 1 crashes or hangs), {nproc} running"
+        left_out.append(f"faults: {why}")
+        modes = [mode for mode in modes if mode != "faults"]
+    return nproc, modes, left_out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--as-rank"]:  # started by torchrun_command on a rank
@@ -569,15 +597,18 @@ def main(argv: list[str] | None = None) -> int:
     default_out = Path(__file__).parent / "out" / "real_suite" / time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or default_out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    plan = Plan(os.path.abspath(args.testdir), Path(args.cwd).resolve(), out, args.nproc,
+    devices = resolve_devices(args.devices)
+    nproc, modes, left_out = fit(args.nproc, args.modes, devices)
+    plan = Plan(os.path.abspath(args.testdir), Path(args.cwd).resolve(), out, nproc,
                 shlex.split(args.pytest_args), shlex.split(args.plugin_args), args.workers,
-                args.cap)  # fmt: skip
+                args.cap, devices)  # fmt: skip
     print("\n".join(header_lines("real suite: " + args.testdir, INFO)))
-    print(f"cwd     : {plan.cwd}\nout     : {out}\n", flush=True)
-    runs = run_modes(plan, args.modes, args)
+    print(f"cwd     : {plan.cwd}\nout     : {out}\ndevices : {devices.describe()}")
+    print(f"{left_out_line(left_out)}\n", flush=True)
+    runs = run_modes(plan, modes, args)
     report(runs, args.max_diff)
     if args.json:
-        write_json(args.json, as_json(runs, args))
+        write_json(args.json, {**as_json(runs, args), "left_out": left_out})
     return 0
 
 

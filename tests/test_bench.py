@@ -1,0 +1,134 @@
+"""Every benchmark runs where it has fewer devices than its largest size, and says what it left out.
+
+Each runs in a subprocess in its quickest mode on `cpu:1` (one slot, as on a 1-GPU machine), so a
+benchmark that assumes two devices fails here as it would on one GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import assert_no_processes_left, start_from_a_plain_shell
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+TIMEOUT = 300
+TINY_SUITE = """
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def test_all_reduce():
+    # written for torchrun: join the group from the environment where no one has yet
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == int(os.environ["WORLD_SIZE"])
+"""
+
+
+def megatron_core() -> bool:
+    """Whether megatron-core is installed, without importing it into this process."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:
+        return False
+
+
+needs_megatron = pytest.mark.skipif(not megatron_core(), reason="needs megatron-core")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A benchmark's command line ({tmp}: the test's folder) and what its stdout must say."""
+
+    argv: list[str]
+    says: list[str]
+    marks: list[pytest.MarkDecorator] = field(default_factory=list)
+
+
+CASES = {
+    "gang_start": Case(
+        ["gang_start.py", "--quick", "--sizes", "1,2", "--repeats", "1", "--tests", "2",
+         "--no-megatron"],
+        ["left out: ws2: needs 2 devices, 1 available (cpu:1)", "world_size(1), first excluded"],
+    ),
+    "lane": Case(
+        ["lane.py", "--quick", "--only", "b", "--modules", "1", "--tests", "2", "--durations",
+         "0.1", "--heavy-import", "", "--png-dir", "{tmp}"],
+        ["ws2: needs 2 devices, 1 available", "ws4: needs 4 devices, 1 available", "2/0/0"],
+    ),
+    "layout_reuse": Case(
+        ["layout_reuse.py", "--tests", "3"],
+        ["world_size(2) tp=2 pp=1: needs 2 devices, 1 available",
+         "measured world_size(1) tp=1 pp=1 instead"],
+        [needs_megatron],
+    ),
+    "session_start": Case(
+        ["session_start.py", "--repeats", "1", "--modes", "plain", "--heavy-import",
+         "torch.distributed"],
+        ["world_size(2) tests: needs 2 devices, 1 available", "one world_size(1) test each"],
+    ),
+    "coverage": Case(
+        ["coverage.py", "--modes", "torchrun", "--nproc", "2", "--suite", "{tmp}/suite",
+         "--source", "{tmp}/suite"],
+        ["torchrun --nproc-per-node 2: needs 2 devices, 1 available (cpu:1); ran 1"],
+    ),
+    "real_suite": Case(
+        ["real_suite.py", "suite", "--nproc", "2", "--modes", "serial,faults", "--out",
+         "{tmp}/out"],
+        ["--nproc 2: needs 2 devices, 1 available (cpu:1); ran 1",
+         "faults: needs 2 ranks (rank 1 crashes or hangs), 1 running"],
+    ),
+}  # fmt: skip
+
+
+def command(argv: list[str], tmp: Path) -> list[str]:
+    script, *args = (arg.replace("{tmp}", str(tmp)) for arg in argv)
+    return [sys.executable, str(BENCH / script), *args, "--devices", "cpu:1"]
+
+
+def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def assert_ran_and_said(done: subprocess.CompletedProcess[str], says: list[str]) -> None:
+    output = f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, output
+    for words in says:
+        assert words in done.stdout, f"{words!r} not in the report\n{output}"
+
+
+@pytest.fixture
+def plain_shell(monkeypatch: pytest.MonkeyPatch, tag: str, tmp_path: Path) -> Path:
+    """A folder to run in, from a shell that sees no GPU and no rank's variables; afterwards no
+    process the benchmark started is left."""
+    start_from_a_plain_shell(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "test_tiny.py").write_text(TINY_SUITE)
+    yield tmp_path
+    assert_no_processes_left(tag)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, id=name, marks=case.marks) for name, case in CASES.items()]
+)
+def test_benchmark_fits_one_device(case: Case, plain_shell: Path) -> None:
+    assert_ran_and_said(run(command(case.argv, plain_shell), plain_shell), case.says)
+
+
+@needs_megatron
+def test_nccl_shutdown_fits_one_rank(plain_shell: Path) -> None:
+    """A torchrun script: one rank on CPU leaves tp=2 out."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    script = [str(BENCH / "nccl_shutdown.py"), "--device", "cpu", "--rounds", "1"]
+    done = run([*torchrun, *script], plain_shell)
+    assert_ran_and_said(done, ["left out: tp=2: needs a multiple of 2 ranks, 1 running"])
