@@ -273,7 +273,7 @@ def passed_times(path: str) -> list[tuple[str, float]]:
 
 def zygote_client(preload: list[str], log: Any, standby: int, cuda: bool) -> Any:
     """A zygote, started as a driver starts its own (gang_start.py times that start)."""
-    from xdist_megatron.zygote_client import ZygoteClient
+    from xdist_megatron.driver.zygote_client import ZygoteClient
 
     return ZygoteClient(preload, log, standby=standby, cuda=cuda)
 

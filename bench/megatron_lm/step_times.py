@@ -58,7 +58,8 @@ def _job_kind(self: Any, job: Any, *args: Any) -> str:
 
 
 def install() -> None:
-    from xdist_megatron import dispatch, gang, inprocess, pool, rank, rank_session, state
+    from xdist_megatron.driver import dispatch, gang, pool
+    from xdist_megatron.ranks import inprocess, isolation, rank, rank_session
 
     _timed(dispatch.GangDispatch, "pytest_runtest_protocol", "driver: test protocol")
     _timed(gang.Gang, "execute", "driver: job on the gang", _job_kind)
@@ -72,9 +73,9 @@ def install() -> None:
     _timed(rank, "finish_line", "rank: finish line")
     _timed(rank_session.RankSession, "run", "rank: test protocol")
     _timed(rank_session.RankSession, "_collect_module", "rank: collect module")
-    _timed(state, "cleanup_after_job", "rank: cleanup")
-    _timed(state, "_teardown_megatron", "rank: megatron reset")
-    _timed(state, "_destroy_process_groups", "rank: destroy groups")
+    _timed(isolation, "cleanup_after_job", "rank: cleanup")
+    _timed(isolation, "_teardown_megatron", "rank: megatron reset")
+    _timed(isolation, "_destroy_process_groups", "rank: destroy groups")
     _timed(inprocess.InProcessRank, "reset", "rank: state reset")
 
 
