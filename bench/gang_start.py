@@ -5,7 +5,8 @@ This benchmark backs the README's numbers with two measurements:
 
 1. Gang start per world size: cold is a torchrun-style gang (N fresh interpreters that import torch
    and megatron.core and join a gloo group through a TCPStore this process owns); warm is
-   `Gang(world_size=N, zygote=z).start()` from a zygote that preloaded the same modules.
+   `Gang(world_size=N, zygote=z).start()` from a zygote that preloaded the same modules, up to
+   one all_reduce done on every rank (NCCL on GPUs: the CUDA context and communicator included).
 2. Per-test time of no-op tests in one pytest run, from its junit XML: world_size(2) tests against
    unmarked ones; the difference is what the plugin adds to every distributed test.
 
@@ -251,7 +252,9 @@ def start_zygote(
 
 
 def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str) -> float:
-    """Seconds for Gang(...).start(): fork from the zygote plus the rendezvous."""
+    """Seconds from asking for a gang to every rank having finished one all_reduce on its
+    device (NCCL on GPUs): the fork from the zygote, the rendezvous, the rank's CUDA context and
+    the first communicator."""
     # Imported here: spawned ranks run this file and must import only what they are timed on.
     from xdist_megatron import Gang
 
@@ -260,9 +263,22 @@ def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str) -> float:
     gang = Gang(world_size=size, devices=devices, zygote=zygote, workdir=workdir)
     try:
         gang.start()
+        gang.run(all_reduce_once)
         return time.perf_counter() - start
     finally:
         gang.close()
+
+
+def all_reduce_once() -> None:
+    """On each rank: one all_reduce of a tensor on the rank's device, waited for."""
+    import torch
+    import torch.distributed as dist
+
+    from xdist_megatron import rank_info
+
+    tensor = torch.ones(1, device=rank_info().device)
+    dist.all_reduce(tensor)
+    tensor.item()
 
 
 # -- part 1: gang start ---------------------------------------------------------------------------
@@ -389,7 +405,7 @@ def gang_table(start: dict[str, Any], settings: Settings) -> str:
         rows.append([f"ws{row['size']}", *cells, f"{row['ratio']:.0f}x"])
     title = (
         f"Gang start [s]  (runs per size: cold {settings.cold_repeats}, warm {settings.repeats}; "
-        "ranks ready in the process group)"
+        "cold: ranks in the process group; warm: and one all_reduce done)"
     )
     return f"{title}\n{table(headers, rows)}"
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import assert_no_processes_left
+
+from xdist_megatron.ranks.zygote import WARM_PER_KEY
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
 
@@ -169,3 +174,37 @@ def test_gpu_faults_cost_one_test_each(pytester: pytest.Pytester, run_pytest) ->
     after = gpu_memory_used()
     print(f"GPU memory used (MiB) before the session {before}, after {after}")
     assert after == before
+
+
+def test_a_gang_after_the_first_starts_from_a_warm_standby(tmp_path, tag) -> None:
+    """Once a gang has run on a device, the zygote keeps a standby rank that already made that
+    device current (its CUDA context made while idle): the next gang there, a replacement or
+    a new one, does not pay the context. Seen from outside: the standby holds the GPU before the
+    gang is asked for, and becomes its rank."""
+    from xdist_megatron.driver.gang import Gang
+    from xdist_megatron.driver.zygote_client import ZygoteClient
+    from xdist_megatron.placement import parse_devices
+
+    devices = parse_devices("0", torch.cuda.device_count(), os.cpu_count() or 1, None)
+    zygote = ZygoteClient(["torch", "torch.distributed"], None, cuda=True)
+    try:
+        with Gang(1, devices, zygote=zygote, workdir=str(tmp_path)) as first:
+            assert first.run(torch.cuda.current_device) == [0]
+            gone = {os.getpid(), *first.pids}
+        holding = wait_for(lambda: gpu_processes() - gone, WARM_PER_KEY, seconds=30)
+        asked = time.perf_counter()
+        with Gang(1, devices, zygote=zygote, workdir=str(tmp_path)) as second:
+            assert second.run(torch.cuda.current_device) == [0]
+            print(f"second gang ready and called in {time.perf_counter() - asked:.3f} s")
+            assert set(second.pids) <= holding
+    finally:
+        zygote.close()
+    assert_no_processes_left(tag)
+
+
+def wait_for(probe: Callable[[], set[int]], count: int, seconds: float) -> set[int]:
+    """What `probe` finds once it finds `count` (or the time is up)."""
+    deadline = time.monotonic() + seconds
+    while len(found := probe()) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found

@@ -15,18 +15,22 @@ the owner goes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
 import json
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
 import time
 import traceback
 import warnings
+from collections import Counter
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -63,6 +67,36 @@ BASE_PRELOAD = (
     "_pytest.fixtures",
     "_pytest.runner",
 )
+
+
+# What a rank's CUDA context depends on, besides its device: set before CUDA initialises.
+CUDA_ENV_PREFIXES = ("CUDA_", "PYTORCH_", "NCCL_", "NVIDIA_", "TORCH_")
+WarmKey = tuple[int, tuple[tuple[str, str], ...]]  # (local rank, the CUDA environment)
+WARM_PER_KEY = 2  # one becomes a rank while the other is still warm: back-to-back gangs
+WARMED_UP = b"w"  # a warm standby's word to the zygote: its context and NCCL are set up
+
+
+def warm_key(spec: Any) -> WarmKey | None:
+    """Which warm standby can become the rank of `spec`: one that made the same device current
+    under the same CUDA environment; None for a rank without CUDA."""
+    if not spec.use_cuda:
+        return None
+    cuda_env = tuple(sorted((k, v) for k, v in spec.env.items() if k.startswith(CUDA_ENV_PREFIXES)))
+    return int(spec.env["LOCAL_RANK"]), cuda_env
+
+
+@dataclass
+class Standby:
+    """A rank forked ahead of need, waiting on `control` for its RankSpec and rank socket;
+    `warm`: the CUDA context it created already (None: none, any rank can use it)."""
+
+    pid: int
+    control: socket.socket
+    warm: WarmKey | None = None
+
+    def warmed_up(self) -> bool:
+        """A warm standby says so on its control socket once its warm-up is done."""
+        return bool(select.select([self.control], [], [], 0)[0])
 
 
 def preload(modules: list[str], cuda: bool) -> tuple[dict[str, str], list[str]]:
@@ -132,10 +166,12 @@ class Zygote:
         self.listener = listener
         self.owner_of: dict[int, Client] = {}  # rank pid -> its driver
         self.children: set[int] = set()  # ranks and standby ranks
-        # Forked ahead of need, each waiting on its socket for a RankSpec and its rank socket:
-        # forking a zygote that holds torch and megatron costs 20-50 ms a process.
-        self.standby: list[tuple[int, socket.socket]] = []
+        # Forked ahead of need: forking a zygote that holds torch and megatron costs 20-50 ms a
+        # process, and a rank's CUDA context 0.2-0.3 s more; a warm standby has made its
+        # device current already, for the device and CUDA environment a gang used before.
+        self.standby: list[Standby] = []
         self.standby_target = standby_target
+        self.warm_wanted: Counter[WarmKey] = Counter()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
@@ -143,7 +179,7 @@ class Zygote:
 
     def serve(self) -> None:
         while True:
-            idle_work = len(self.standby) < self.standby_target and not self.breaks_cuda
+            idle_work = not self.breaks_cuda and (self._missing_warm() or self._missing_cold())
             sources: list[Any] = [c.conn for c in self.clients] + [self.wake_r]
             if self.listener is not None:
                 sources.append(self.listener)
@@ -191,7 +227,7 @@ class Zygote:
         gc.freeze()
         if breaks_cuda:  # ranks running now are unharmed; no later fork is made
             self.breaks_cuda += breaks_cuda
-            self._kill({pid for pid, _ in self.standby})
+            self._kill({standby.pid for standby in self.standby})
         client.send(Preloaded(failures, breaks_cuda, os.getpid()))
 
     def _disconnect(self, client: Client) -> None:
@@ -206,12 +242,16 @@ class Zygote:
                 os.close(fd)
             return Forked([], self.breaks_cuda)
         self.standby_target = max(self.standby_target, len(specs))
+        # The same gang, replaced, or the next of its kind, may come at once: keep two warm.
+        wanted = Counter(key for key in map(warm_key, specs) if key is not None)
+        self.warm_wanted |= Counter({key: WARM_PER_KEY * count for key, count in wanted.items()})
         pids = []
         for spec, fd in zip(specs, fds, strict=True):
-            if self.standby:
-                pid, control = self.standby.pop()
-                socket.send_fds(control, [pickle.dumps(spec)], [fd])
-                control.close()
+            standby = self._take_standby(warm_key(spec))
+            if standby is not None:
+                pid = standby.pid
+                socket.send_fds(standby.control, [pickle.dumps(spec)], [fd])
+                standby.control.close()
             else:
                 pid = os.fork()
                 if pid == 0:
@@ -223,15 +263,40 @@ class Zygote:
             pids.append(pid)
         return Forked(pids)
 
+    def _take_standby(self, key: WarmKey | None) -> Standby | None:
+        """For `key`: a standby warm for it (one done warming up first), else a cold one; a
+        standby warm for another key made another device current and cannot serve."""
+        choices = [s for s in self.standby if s.warm == key]
+        choices.sort(key=lambda standby: not standby.warmed_up())
+        if key is not None:
+            choices += [s for s in self.standby if s.warm is None]
+        if not choices:
+            return None
+        self.standby.remove(choices[0])
+        return choices[0]
+
+    def _missing_warm(self) -> list[WarmKey]:
+        """The warm standbys the gangs so far would want, and the pool lacks."""
+        have = Counter(standby.warm for standby in self.standby)
+        return list((self.warm_wanted - have).elements())
+
+    def _missing_cold(self) -> bool:
+        """Whether the pool has fewer cold standbys than its target leaves beside the warm."""
+        cold = sum(standby.warm is None for standby in self.standby)
+        return cold < self.standby_target - sum(self.warm_wanted.values())
+
     def _add_standby(self) -> None:
+        """Fork one standby while idle: a missing warm one first, then a cold one."""
+        missing = self._missing_warm()
+        warm = missing[0] if missing else None
         ours, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:
             ours.close()
-            self._become_rank(lambda: _await_assignment(theirs))
+            self._become_rank(lambda: _await_assignment(theirs, warm))
         theirs.close()
         self.children.add(pid)
-        self.standby.append((pid, ours))
+        self.standby.append(Standby(pid, ours, warm))
 
     def _become_rank(self, assignment: Any) -> None:
         """In the child: drop the zygote's resources, wait for the rank's spec if this is a
@@ -243,8 +308,8 @@ class Zygote:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for own in (self.wake_r, self.wake_w):
                 os.close(own)
-            for _, control in self.standby:
-                control.close()
+            for standby in self.standby:
+                standby.control.close()
             for client in self.clients:
                 client.close()
             if self.listener is not None:
@@ -272,7 +337,10 @@ class Zygote:
             if pid == 0:
                 return
             self.children.discard(pid)
-            self.standby = [(p, c) for p, c in self.standby if p != pid]
+            for standby in [s for s in self.standby if s.pid == pid]:
+                self.standby.remove(standby)
+                if standby.warm is not None:  # it could not warm up: stop trying that one
+                    del self.warm_wanted[standby.warm]
             client = self.owner_of.pop(pid, None)
             if client is not None:
                 client.children.discard(pid)
@@ -291,13 +359,34 @@ class Zygote:
             time.sleep(0.01)
 
 
-def _await_assignment(control: socket.socket) -> tuple[Any, int]:
-    """A standby's wait for its rank: (RankSpec, rank socket fd); exit when the zygote goes."""
+def _await_assignment(control: socket.socket, warm: WarmKey | None) -> tuple[Any, int]:
+    """A standby's wait for its rank: (RankSpec, rank socket fd); exit when the zygote goes.
+    A warm one first creates its CUDA context, under the environment its ranks will have."""
+    if warm is not None:
+        _warm_up(*warm)
+        with contextlib.suppress(OSError):  # taken while warming: its spec is on the way
+            control.send(WARMED_UP)
     message, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
     if not message or not fds:
         os._exit(0)
     control.close()
     return pickle.loads(message), fds[0]
+
+
+def _warm_up(local_rank: int, cuda_env: tuple[tuple[str, str], ...]) -> None:
+    """What a GPU rank pays before its first collective, paid ahead: its CUDA context, and
+    NCCL's once-per-process set-up (through a communicator of one, destroyed at once)."""
+    os.environ.update(cuda_env)
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(local_rank)
+    tensor = torch.ones(1, device="cuda")
+    if dist.is_nccl_available():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        dist.all_reduce(tensor)
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
 
 
 def _die_with_zygote() -> None:
