@@ -59,7 +59,8 @@ from .run_facts import RunFacts
 from .scheduler import INPUT_KEY
 from .zygote_client import ZygoteClient
 
-pytest_plugins = ["xdist_megatron.torchrun_coverage"]  # hooks that must precede pytest-cov's
+# torchrun_coverage: hooks that must precede pytest-cov's; interrupts: Ctrl-C is never lost
+pytest_plugins = ["xdist_megatron.torchrun_coverage", "xdist_megatron.interrupts"]
 
 RUNTIME = pytest.StashKey["Runtime"]()
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
@@ -393,10 +394,11 @@ class Runtime:
 
     def _finish_following(self) -> ZygoteClient | None:
         """Stop the import follower (once) and take the zygote it started, if any."""
-        follower, self._follower = self._follower, None
+        follower = self._follower
         if follower is None:
             return None
         zygote = follower.finish()
+        self._follower = None  # only now: a second Ctrl-C in the join must not lose the zygote
         if follower.error is not None:
             self.notes.append(f"following the imports to start the zygote early: {follower.error}")
         return zygote
@@ -473,16 +475,18 @@ class Runtime:
         if self._pool is not None:
             self._pool.stop_zygote()
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """End the gangs and the zygotes; `at_once` (Ctrl-C): kill them rather than wait for
+        a zygote that may be busy importing (no rank or zygote is left a second later)."""
         early = self._finish_following()
         if early is not None:
-            early.close()
+            early.close(at_once)
         if self._pool is not None:
             self.notes += self._pool.notes
-            self._pool.close()
+            self._pool.close(at_once)
             self._pool = None
         if self._host_zygote is not None:
-            self._host_zygote.close()
+            self._host_zygote.close(at_once)
             self._host_zygote = None
         if not self.xdist and self._session_dir is not None:  # workers use the controller's
             shutil.rmtree(self._session_dir, ignore_errors=True)

@@ -268,8 +268,12 @@ class GangPool:
             self._log = open(self.zygote_log, "ab")  # noqa: SIM115 - closed in close()
         return self._log
 
-    def close(self) -> None:
-        """Shut every gang and the zygote down; nothing of ours outlives this."""
+    def close(self, at_once: bool = False) -> None:
+        """Shut every gang and the zygote down; nothing of ours outlives this. `at_once`
+        (Ctrl-C): the zygote goes first, and takes the ranks with it, instead of waiting
+        for it to answer (see ZygoteClient.close)."""
+        if at_once and self._zygote is not None:
+            self._zygote.close(at_once=True)
         for gang in self._gangs.values():
             gang.close()
         self._gangs.clear()

@@ -24,6 +24,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -46,6 +47,7 @@ from .protocol import (
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
+OWNER_POLL = 0.2  # seconds between the checks that the owner is still there
 
 # What every rank needs, imported once here instead of once per rank.
 BASE_PRELOAD = (
@@ -307,7 +309,24 @@ def _die_with_zygote() -> None:
         pass
 
 
+def _exit_with_owner() -> None:
+    """The owner's socket is read only between imports, and importing megatron.core takes tens
+    of seconds on a loaded host: an owner killed meanwhile (SIGKILL, or a second Ctrl-C cutting
+    its cleanup short) must not leave the zygote importing on. A thread ends the zygote as soon
+    as the owner is gone (this process re-parented); its ranks die with it (PR_SET_PDEATHSIG).
+    Forks carry only the forking thread, so ranks have none."""
+    owner = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == owner:
+            time.sleep(OWNER_POLL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="xdist-megatron-owner", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
+    _exit_with_owner()
     fd = int(argv[1])
     options = json.loads(argv[2])
     modules = list(BASE_PRELOAD) + [m for m in options["preload"] if m not in BASE_PRELOAD]

@@ -147,8 +147,8 @@ class ZygoteClient:
                 pass
 
     def pump(self) -> None:
-        """Read every message waiting on the connection (exit notices)."""
-        while self.conn.poll():
+        """Read every message waiting on the connection (exit notices); none once closed."""
+        while not self.conn.closed and self.conn.poll():
             self._read()
 
     def exit_code(self, pid: int, timeout: float = 0.0) -> int | None:
@@ -168,12 +168,19 @@ class ZygoteClient:
         for pid in pids:
             self.exit_code(pid, max(0.0, deadline - time.monotonic()))
 
-    def close(self) -> None:
-        """Stop the zygote, or leave a shared one; either kills this driver's ranks first."""
+    def close(self, at_once: bool = False) -> None:
+        """Stop the zygote, or leave a shared one; either kills this driver's ranks first.
+        `at_once` (Ctrl-C): kill our zygote now rather than ask it to leave, which it reads only
+        between imports (tens of seconds for megatron.core on a loaded host); its ranks die
+        with it (PR_SET_PDEATHSIG)."""
+        self._lost = True  # closed: nothing is alive behind this handle any more
         if self.process is None:
             self.conn.close()
             self._sock.close()
             return
+        if at_once and self.alive:
+            self.process.kill()
+            self.process.wait()
         if self.alive:
             try:
                 self.conn.send(Leave())
