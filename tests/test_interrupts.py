@@ -2,7 +2,8 @@
 
 Ctrl-C (SIGINT to pytest's process group, as a terminal sends it) ends the run as pytest ends
 an interrupted one, wherever it lands: its KeyboardInterrupt summary, exit code 2, and no zygote
-or rank left 5 s after the signal.
+or rank left 5 s after the signal. SIGKILL of an xdist worker is reported as that worker's crash,
+with how its gang's ranks ended after the headline.
 
 Each run is pytest in a process group of its own; what it starts carries the test's tag, so
 whatever is left over is found (and killed, by pid) after a failure.
@@ -221,3 +222,34 @@ def test_ctrl_c_during_a_test_on_a_gang(pytester, facts, start, mode):
     run = start(*mode)
     signalled = run.ctrl_c_once("body-0", "body-1")
     assert_interrupted(run, signalled, facts, body_ran=True)
+
+
+def test_a_killed_worker_is_named_before_its_ranks(pytester, facts, start, tag):
+    """SIGKILL of the xdist worker whose gang runs a test: the report's headline is xdist's
+    (the worker crashed while running it), and how the gang's ranks ended follows it (only the
+    shared zygote saw that: it ended them when the worker's connection closed)."""
+    pytester.makeconftest(FACTS_CONFTEST)
+    pytester.makepyfile(test_gang=GANG_TEST.replace("BODY_SECONDS", "600"))
+    run = start(*XDIST, "--megatron-timeout", "300")
+    wait_for(lambda: run.has("body-0", "body-1"), run.process, "the test on the gang")
+    bodies = [(facts / f"body-{rank}").read_text().split() for rank in (0, 1)]
+    worker, ranks = bodies[0][0], {int(pid) for _, pid in bodies}
+    os.kill(int((facts / f"worker-{worker}").read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    while (left := ranks & set(gang_processes(tag))) and time.monotonic() < killed + GONE_WITHIN:
+        time.sleep(0.05)
+    output = run.finish()
+    assert not left, f"ranks of the killed worker still there:\n{output}"
+    assert run.process.returncode == 1, output
+    lines = pytest.LineMatcher(output.splitlines())
+    lines.fnmatch_lines(
+        [
+            f"worker '{worker}' crashed while running 'test_gang.py::test_on_gang'",
+            "its gang of 2 ended with it:",
+            "rank 0 was killed by signal SIGKILL (9)",
+            "rank 1 was killed by signal SIGKILL (9)",
+        ],
+        consecutive=True,
+    )
+    lines.fnmatch_lines([f"FAILED test_gang.py::test_on_gang - worker '{worker}' crashed*"])
+    assert_no_processes_left(tag, within=15)

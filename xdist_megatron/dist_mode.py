@@ -20,6 +20,7 @@ DIST_HELP = (
     "size), largest first, on exclusive device blocks (xdist-megatron)."
 )
 WORKER_ENV = "XDIST_MEGATRON_WORKER"
+RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 
 _parser: pytest.Parser | None = None
 
@@ -99,6 +100,26 @@ def pytest_configure_node(node: Any) -> None:
         # Shared by the workers; only for --dist megatron, where the suite surely has gangs.
         "zygote": runtime.host_zygote() if requested(node.config) else None,
     }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """A worker crashed while its gang ran `crashitem`: xdist's headline names the cause; how
+    the gang's ranks ended, which only the shared zygote saw, follows it."""
+    from .scheduler import MegatronScheduling
+
+    if not isinstance(sched, MegatronScheduling) or not isinstance(report.longrepr, str):
+        return
+    size = sched.world_size_of(crashitem)
+    if size is None:  # an unmarked test: it ran in the worker, on no gang
+        return
+    from . import reporting
+    from .plugin import RUNTIME
+
+    runtime = sched.config.stash[RUNTIME]
+    ends = runtime.ranks_left_with(report.node.gateway.id, RANK_END_WAIT)
+    if ends:
+        report.longrepr = reporting.worker_crash(report.longrepr, size, ends)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -33,6 +33,7 @@ from . import (
 )
 from .dist_mode import (  # noqa: F401 - pytest finds these hooks on this module
     pytest_configure_node,
+    pytest_handlecrashitem,
     pytest_plugin_registered,
     pytest_xdist_auto_num_workers,
     pytest_xdist_make_scheduler,
@@ -54,7 +55,7 @@ from .markers import WORLD_SIZE
 from .placement import DeviceSet
 from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
 from .preloadable import Preloadable
-from .protocol import FAILED, CleanupJob, RankInfo, SessionArgs
+from .protocol import FAILED, CleanupJob, RankEnd, RankInfo, SessionArgs
 from .run_facts import RunFacts
 from .scheduler import INPUT_KEY
 from .zygote_client import ZygoteClient
@@ -365,6 +366,7 @@ class Runtime:
                 quiet_zygote=self.config.getoption("capture") != "no",
                 host_zygote=self.xdist.get("zygote") if self.xdist else None,
                 host_zygote_log=os.path.join(self.session_dir, HOST_ZYGOTE_LOG),
+                name=getattr(self.config, "workerinput", {}).get("workerid"),
             )
         return self._pool
 
@@ -383,6 +385,12 @@ class Runtime:
                 self.devices.is_cuda,
             )
         return self._host_zygote.address
+
+    def ranks_left_with(self, worker: str, timeout: float) -> list[RankEnd] | None:
+        """In the xdist controller: how the shared zygote ended the ranks of a crashed worker."""
+        if self._host_zygote is None:
+            return None
+        return self._host_zygote.ranks_left_with(worker, timeout)
 
     def early_zygote(self) -> ZygoteClient | None:
         """The zygote the import follower started, if it can serve this session's devices."""

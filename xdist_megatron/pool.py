@@ -36,6 +36,7 @@ class GangPool:
         quiet_zygote: bool = True,
         host_zygote: str | None = None,
         host_zygote_log: str | None = None,
+        name: str | None = None,
     ) -> None:
         self.devices = devices
         self.locks = locks
@@ -56,6 +57,7 @@ class GangPool:
         self._started_early = False  # before collection; it has not heard what collection found
         self._host_zygote = host_zygote  # the address of a shared zygote, tried first
         self._host_zygote_log = host_zygote_log
+        self._name = name  # this driver's xdist worker id, told to the shared zygote
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self._log: IO[bytes] | None = None
         self._adopted_log: str | None = None
@@ -232,7 +234,7 @@ class GangPool:
         if self._host_zygote is not None:
             address, self._host_zygote = self._host_zygote, None
             try:
-                return ZygoteClient.connect(address, preload)
+                return ZygoteClient.connect(address, preload, self._name)
             except OSError as exc:
                 self.notes.append(f"the shared zygote did not answer ({exc}); started our own")
         return ZygoteClient(

@@ -137,6 +137,10 @@ class MegatronScheduling:
         self.queue.extend(units.values())
         self.queue.sort(key=Unit.priority)
 
+    def world_size_of(self, nodeid: str) -> int | None:
+        """The test's world size, as its worker published it (None: unmarked)."""
+        return self._info(nodeid).size
+
     def _info(self, nodeid: str) -> ItemInfo:
         return self.infos.get(nodeid) or ItemInfo(metadata.module_of(nodeid), None, None)
 

@@ -35,11 +35,14 @@ from . import rank_coverage
 from .protocol import (
     ZYGOTE_VAR,
     CoverageTarget,
+    DriverLeft,
     Forked,
     ForkRanks,
+    Join,
     Leave,
     Preload,
     Preloaded,
+    RankEnd,
     RankExited,
     SignalRanks,
 )
@@ -105,6 +108,8 @@ class Client:
         self.sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.children: set[int] = set()
+        self.name: str | None = None  # what a sharing driver calls itself (Join)
+        self.ranks: dict[int, tuple[int, int]] = {}  # pid -> (rank, world size), while alive
 
     def send(self, message: object) -> None:
         try:
@@ -176,6 +181,8 @@ class Zygote:
         elif isinstance(request, Preload):
             self.standby_target = max(self.standby_target, request.standby)
             self.preload_for(client, request.modules)
+        elif isinstance(request, Join):
+            client.name = request.name
         elif isinstance(request, Leave):
             if client is self.owner:
                 self._kill(self.children)
@@ -197,9 +204,15 @@ class Zygote:
         client.send(Preloaded(failures, breaks_cuda, os.getpid()))
 
     def _disconnect(self, client: Client) -> None:
-        self._kill(client.children)
+        """A driver left: end its ranks; if it had any and a name, tell the owner how they
+        ended (the driver crashed: it can report nothing itself)."""
+        ranks = {pid: client.ranks[pid] for pid in client.children if pid in client.ranks}
+        codes = self._kill(client.children)
         self.clients.remove(client)
         client.close()
+        if client.name is not None and ranks:
+            ends = [RankEnd(*ranks[pid], code) for pid, code in codes.items() if pid in ranks]
+            self.owner.send(DriverLeft(client.name, sorted(ends)))
 
     def _fork(self, client: Client, specs: list) -> Forked:
         _, fds, _, _ = socket.recv_fds(client.sock, 1, len(specs))
@@ -221,6 +234,7 @@ class Zygote:
             os.close(fd)
             self.children.add(pid)
             client.children.add(pid)
+            client.ranks[pid] = (spec.rank, spec.world_size)
             self.owner_of[pid] = client
             pids.append(pid)
         return Forked(pids)
@@ -265,32 +279,41 @@ class Zygote:
                     pass
             os._exit(code)
 
-    def _reap(self) -> None:
+    def _reap(self) -> dict[int, int]:
+        """Reap every child that exited; {pid: exit code}."""
+        reaped: dict[int, int] = {}
         while self.children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
+            code = reaped[pid] = os.waitstatus_to_exitcode(status)
             self.children.discard(pid)
             self.standby = [(p, c) for p, c in self.standby if p != pid]
             client = self.owner_of.pop(pid, None)
             if client is not None:
                 client.children.discard(pid)
-                client.send(RankExited(pid, os.waitstatus_to_exitcode(status)))
+                client.ranks.pop(pid, None)
+                client.send(RankExited(pid, code))
+        return reaped
 
-    def _kill(self, pids: set[int]) -> None:
-        """SIGKILL these children and reap them (their drivers learn of each exit)."""
-        for pid in list(pids):
+    def _kill(self, pids: set[int]) -> dict[int, int]:
+        """SIGKILL these children and reap them (their drivers learn of each exit); {pid: exit
+        code} of those reaped here."""
+        targets = set(pids)  # `pids` may be a driver's own set, which reaping empties
+        for pid in targets:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        codes: dict[int, int] = {}
         deadline = time.monotonic() + 5
-        while pids & self.children and time.monotonic() < deadline:
-            self._reap()
+        while targets & self.children and time.monotonic() < deadline:
+            codes.update(self._reap())
             time.sleep(0.01)
+        return {pid: code for pid, code in codes.items() if pid in targets}
 
 
 def _await_assignment(control: socket.socket) -> tuple[Any, int]:

@@ -16,7 +16,17 @@ from typing import IO, Any
 import xdist_megatron
 
 from . import rank_coverage
-from .protocol import ForkRanks, Leave, Preload, RankExited, RankSpec, SignalRanks
+from .protocol import (
+    DriverLeft,
+    ForkRanks,
+    Join,
+    Leave,
+    Preload,
+    RankEnd,
+    RankExited,
+    RankSpec,
+    SignalRanks,
+)
 
 ZYGOTE_START_TIMEOUT = 600.0  # importing megatron + TE cold can take minutes on a loaded CI host
 
@@ -73,12 +83,15 @@ class ZygoteClient:
         self._attach(preload, address, ours, process)
 
     @classmethod
-    def connect(cls, address: str, preload: list[str]) -> ZygoteClient:
-        """Join the zygote listening at `address`; it imports what `preload` adds to its own."""
+    def connect(cls, address: str, preload: list[str], name: str | None = None) -> ZygoteClient:
+        """Join the zygote listening at `address`; it imports what `preload` adds to its own.
+        `name` (an xdist worker id): how its owner hears of this driver's ranks, should it die."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect("\0" + address)
         client = cls.__new__(cls)
         client._attach(preload, address, sock, None)
+        if name is not None:
+            client.conn.send(Join(name))
         client.add_preload(preload)
         return client
 
@@ -99,6 +112,7 @@ class ZygoteClient:
         self.preload = preload
         self.address = address
         self.exits: dict[int, int] = {}
+        self.left: dict[str, list[RankEnd]] = {}  # the owner's: named drivers that went away
         self._sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.process = process  # None: a shared zygote, which another process owns
@@ -168,6 +182,20 @@ class ZygoteClient:
         for pid in pids:
             self.exit_code(pid, max(0.0, deadline - time.monotonic()))
 
+    def ranks_left_with(self, name: str, timeout: float) -> list[RankEnd] | None:
+        """The owner's: how the ranks of the sharing driver `name` ended when its connection
+        closed, once the zygote has reaped them (up to `timeout` s); None if it did not say."""
+        deadline = time.monotonic() + timeout
+        try:
+            while name not in self.left:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.conn.closed or not wait([self.conn], remaining):
+                    return None
+                self._read()
+        except ZygoteError:
+            return None
+        return self.left.pop(name)
+
     def close(self, at_once: bool = False) -> None:
         """Stop the zygote, or leave a shared one; either kills this driver's ranks first.
         `at_once` (Ctrl-C): kill our zygote now rather than ask it to leave, which it reads only
@@ -205,7 +233,7 @@ class ZygoteClient:
                     raise ZygoteError(f"the zygote {self._gone()} during {what!r}")
                 continue
             message = self._read()
-            if not isinstance(message, RankExited):
+            if not isinstance(message, (RankExited, DriverLeft)):  # notices, not replies
                 return message
 
     def _read(self) -> object:
@@ -221,6 +249,8 @@ class ZygoteClient:
             raise ZygoteError(f"the zygote {self._gone()}") from None
         if isinstance(message, RankExited):
             self.exits[message.pid] = message.code
+        elif isinstance(message, DriverLeft):
+            self.left[message.name] = message.ranks
         return message
 
     def _gone(self) -> str:
