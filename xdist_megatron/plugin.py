@@ -32,6 +32,7 @@ pytest_plugins = [
     "xdist_megatron.coverage.torchrun_coverage",  # its hooks must precede pytest-cov's
     "xdist_megatron.xdist.hooks",
     "xdist_megatron.driver.fixtures",
+    "xdist_megatron.driver.interrupts",  # Ctrl-C is never lost
 ]
 
 

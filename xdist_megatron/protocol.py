@@ -228,6 +228,14 @@ class Preload:
 
 
 @dataclass(frozen=True)
+class Join:
+    """A driver that shares the zygote names itself (its xdist worker id), so that the owner
+    can learn how its ranks ended should it die (DriverLeft)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Leave:
     """The driver is done: its ranks are killed; when the zygote's owner leaves, it exits."""
 
@@ -254,6 +262,24 @@ class Forked:
 class RankExited:
     pid: int
     code: int  # negative: killed by that signal
+
+
+@dataclass(frozen=True, order=True)
+class RankEnd:
+    """How one rank of a driver that went away ended."""
+
+    rank: int
+    world_size: int
+    code: int  # as RankExited's
+
+
+@dataclass(frozen=True)
+class DriverLeft:
+    """To the owner: a named driver's connection closed while it had ranks (it crashed), and
+    the zygote ended them so."""
+
+    name: str
+    ranks: list[RankEnd]
 
 
 # --- driver -> controller (on a test's report) -------------------------------------------------

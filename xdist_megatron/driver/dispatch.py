@@ -38,7 +38,7 @@ class GangDispatch:
     def pytest_keyboard_interrupt(self) -> None:
         """Ctrl-C, or a CI runner's SIGINT to the xdist controller: end every rank now (the
         zygote kills them all), before xdist waits for its workers to stop."""
-        self.runtime.close()
+        self.runtime.close(at_once=True)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool:

@@ -35,6 +35,7 @@ class GangPool:
         quiet_zygote: bool = True,
         host_zygote: str | None = None,
         host_zygote_log: str | None = None,
+        name: str | None = None,
     ) -> None:
         self.devices = devices
         self.locks = locks
@@ -55,6 +56,7 @@ class GangPool:
         self._started_early = False  # before collection; it has not heard what collection found
         self._host_zygote = host_zygote  # the address of a shared zygote, tried first
         self._host_zygote_log = host_zygote_log
+        self._name = name  # this driver's xdist worker id, told to the shared zygote
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self._log: IO[bytes] | None = None
         self._adopted_log: str | None = None
@@ -233,7 +235,7 @@ class GangPool:
         if self._host_zygote is not None:
             address, self._host_zygote = self._host_zygote, None
             try:
-                return ZygoteClient.connect(address, preload)
+                return ZygoteClient.connect(address, preload, self._name)
             except OSError as exc:
                 self.notes.append(f"the shared zygote did not answer ({exc}); started our own")
         return ZygoteClient(
@@ -269,8 +271,12 @@ class GangPool:
             self._log = open(self.zygote_log, "ab")  # noqa: SIM115 - closed in close()
         return self._log
 
-    def close(self) -> None:
-        """Shut every gang and the zygote down; nothing of ours outlives this."""
+    def close(self, at_once: bool = False) -> None:
+        """Shut every gang and the zygote down; nothing of ours outlives this. `at_once`
+        (Ctrl-C): the zygote goes first, and takes the ranks with it, instead of waiting
+        for it to answer (see ZygoteClient.close)."""
+        if at_once and self._zygote is not None:
+            self._zygote.close(at_once=True)
         for gang in self._gangs.values():
             gang.close()
         self._gangs.clear()

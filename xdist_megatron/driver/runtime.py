@@ -21,6 +21,7 @@ from ..protocol import (
     INPUT_KEY,
     ITEMS,
     WORLD_SIZE,
+    RankEnd,
     SessionArgs,
     module_of,
     on_gang_rank,
@@ -170,6 +171,7 @@ class Runtime:
                 quiet_zygote=self.config.getoption("capture") != "no",
                 host_zygote=self.xdist.get("zygote") if self.xdist else None,
                 host_zygote_log=os.path.join(self.session_dir, HOST_ZYGOTE_LOG),
+                name=getattr(self.config, "workerinput", {}).get("workerid"),
             )
         return self._pool
 
@@ -189,6 +191,12 @@ class Runtime:
             )
         return self._host_zygote.address
 
+    def ranks_left_with(self, worker: str, timeout: float) -> list[RankEnd] | None:
+        """In the xdist controller: how the shared zygote ended the ranks of a crashed worker."""
+        if self._host_zygote is None:
+            return None
+        return self._host_zygote.ranks_left_with(worker, timeout)
+
     def early_zygote(self) -> ZygoteClient | None:
         """The zygote the import follower started, if it can serve this session's devices."""
         zygote = self._finish_following()
@@ -199,10 +207,11 @@ class Runtime:
 
     def _finish_following(self) -> ZygoteClient | None:
         """Stop the import follower (once) and take the zygote it started, if any."""
-        follower, self._follower = self._follower, None
+        follower = self._follower
         if follower is None:
             return None
         zygote = follower.finish()
+        self._follower = None  # only now: a second Ctrl-C in the join must not lose the zygote
         if follower.error is not None:
             self._notes.append(f"following the imports to start the zygote early: {follower.error}")
         return zygote
@@ -285,16 +294,18 @@ class Runtime:
         """What the terminal summary says: the follower's and the pools' notes."""
         return self._notes + (self._pool.notes if self._pool is not None else [])
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """End the gangs and the zygotes; `at_once` (Ctrl-C): kill them rather than wait for
+        a zygote that may be busy importing (no rank or zygote is left a second later)."""
         early = self._finish_following()
         if early is not None:
-            early.close()
+            early.close(at_once)
         if self._pool is not None:
             self._notes += self._pool.notes
-            self._pool.close()
+            self._pool.close(at_once)
             self._pool = None
         if self._host_zygote is not None:
-            self._host_zygote.close()
+            self._host_zygote.close(at_once)
             self._host_zygote = None
         if not self.xdist and self._session_dir is not None:  # workers use the controller's
             shutil.rmtree(self._session_dir, ignore_errors=True)

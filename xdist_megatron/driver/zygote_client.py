@@ -17,7 +17,17 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..coverage import rank_coverage
-from ..protocol import ForkRanks, Leave, Preload, RankExited, RankSpec, SignalRanks
+from ..protocol import (
+    DriverLeft,
+    ForkRanks,
+    Join,
+    Leave,
+    Preload,
+    RankEnd,
+    RankExited,
+    RankSpec,
+    SignalRanks,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # xdist_megatron/
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
@@ -76,12 +86,15 @@ class ZygoteClient:
         self._attach(preload, address, ours, process)
 
     @classmethod
-    def connect(cls, address: str, preload: list[str]) -> ZygoteClient:
-        """Join the zygote listening at `address`; it imports what `preload` adds to its own."""
+    def connect(cls, address: str, preload: list[str], name: str | None = None) -> ZygoteClient:
+        """Join the zygote listening at `address`; it imports what `preload` adds to its own.
+        `name` (an xdist worker id): how its owner hears of this driver's ranks, should it die."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect("\0" + address)
         client = cls.__new__(cls)
         client._attach(preload, address, sock, None)
+        if name is not None:
+            client.conn.send(Join(name))
         client.add_preload(preload)
         return client
 
@@ -102,6 +115,7 @@ class ZygoteClient:
         self.preload = preload
         self.address = address
         self._exits: dict[int, int] = {}
+        self.left: dict[str, list[RankEnd]] = {}  # the owner's: named drivers that went away
         self._sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.process = process  # None: a shared zygote, which another process owns
@@ -163,8 +177,8 @@ class ZygoteClient:
             self._exits.setdefault(pid, -signal.SIGKILL)
 
     def pump(self) -> None:
-        """Read every message waiting on the connection (exit notices)."""
-        while self.conn.poll():
+        """Read every message waiting on the connection (exit notices); none once closed."""
+        while not self.conn.closed and self.conn.poll():
             self._read()
 
     def exit_code(self, pid: int, timeout: float = 0.0) -> int | None:
@@ -184,12 +198,33 @@ class ZygoteClient:
         for pid in pids:
             self.exit_code(pid, max(0.0, deadline - time.monotonic()))
 
-    def close(self) -> None:
-        """Stop the zygote, or leave a shared one; either kills this driver's ranks first."""
+    def ranks_left_with(self, name: str, timeout: float) -> list[RankEnd] | None:
+        """The owner's: how the ranks of the sharing driver `name` ended when its connection
+        closed, once the zygote has reaped them (up to `timeout` s); None if it did not say."""
+        deadline = time.monotonic() + timeout
+        try:
+            while name not in self.left:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.conn.closed or not wait([self.conn], remaining):
+                    return None
+                self._read()
+        except ZygoteError:
+            return None
+        return self.left.pop(name)
+
+    def close(self, at_once: bool = False) -> None:
+        """Stop the zygote, or leave a shared one; either kills this driver's ranks first.
+        `at_once` (Ctrl-C): kill our zygote now rather than ask it to leave, which it reads only
+        between imports (tens of seconds for megatron.core on a loaded host); its ranks die
+        with it (PR_SET_PDEATHSIG)."""
+        self._lost = True  # closed: nothing is alive behind this handle any more
         if self.process is None:
             self.conn.close()
             self._sock.close()
             return
+        if at_once and self.alive:
+            self.process.kill()
+            self.process.wait()
         if self.alive:
             try:
                 self.conn.send(Leave())
@@ -214,7 +249,7 @@ class ZygoteClient:
                     raise ZygoteError(f"the zygote {self._gone()} during {what!r}")
                 continue
             message = self._read()
-            if not isinstance(message, RankExited):
+            if not isinstance(message, (RankExited, DriverLeft)):  # notices, not replies
                 return message
 
     def _read(self) -> object:
@@ -230,6 +265,8 @@ class ZygoteClient:
             raise ZygoteError(f"the zygote {self._gone()}") from None
         if isinstance(message, RankExited):
             self._exits[message.pid] = message.code
+        elif isinstance(message, DriverLeft):
+            self.left[message.name] = message.ranks
         return message
 
     def _gone(self) -> str:

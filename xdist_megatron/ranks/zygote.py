@@ -26,6 +26,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -38,11 +39,14 @@ from ..coverage import rank_coverage
 from ..protocol import (
     ZYGOTE_VAR,
     CoverageTarget,
+    DriverLeft,
     Forked,
     ForkRanks,
+    Join,
     Leave,
     Preload,
     Preloaded,
+    RankEnd,
     RankExited,
     SignalRanks,
 )
@@ -50,6 +54,7 @@ from ..protocol import (
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
+OWNER_POLL = 0.2  # seconds between the checks that the owner is still there
 
 # What every rank needs, imported once here instead of once per rank.
 BASE_PRELOAD = (
@@ -137,6 +142,8 @@ class Client:
         self.sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
         self.children: set[int] = set()
+        self.name: str | None = None  # what a sharing driver calls itself (Join)
+        self.ranks: dict[int, tuple[int, int]] = {}  # pid -> (rank, world size), while alive
 
     def send(self, message: object) -> None:
         try:
@@ -210,6 +217,8 @@ class Zygote:
         elif isinstance(request, Preload):
             self.standby_target = max(self.standby_target, request.standby)
             self.preload_for(client, request.modules)
+        elif isinstance(request, Join):
+            client.name = request.name
         elif isinstance(request, Leave):
             if client is self.owner:
                 self._kill(self.children)
@@ -231,9 +240,15 @@ class Zygote:
         client.send(Preloaded(failures, breaks_cuda, os.getpid()))
 
     def _disconnect(self, client: Client) -> None:
-        self._kill(client.children)
+        """A driver left: end its ranks; if it had any and a name, tell the owner how they
+        ended (the driver crashed: it can report nothing itself)."""
+        ranks = {pid: client.ranks[pid] for pid in client.children if pid in client.ranks}
+        codes = self._kill(client.children)
         self.clients.remove(client)
         client.close()
+        if client.name is not None and ranks:
+            ends = [RankEnd(*ranks[pid], code) for pid, code in codes.items() if pid in ranks]
+            self.owner.send(DriverLeft(client.name, sorted(ends)))
 
     def _fork(self, client: Client, specs: list) -> Forked:
         _, fds, _, _ = socket.recv_fds(client.sock, 1, len(specs))
@@ -259,6 +274,7 @@ class Zygote:
             os.close(fd)
             self.children.add(pid)
             client.children.add(pid)
+            client.ranks[pid] = (spec.rank, spec.world_size)
             self.owner_of[pid] = client
             pids.append(pid)
         return Forked(pids)
@@ -328,14 +344,17 @@ class Zygote:
                     pass
             os._exit(code)
 
-    def _reap(self) -> None:
+    def _reap(self) -> dict[int, int]:
+        """Reap every child that exited; {pid: exit code}."""
+        reaped: dict[int, int] = {}
         while self.children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
+            code = reaped[pid] = os.waitstatus_to_exitcode(status)
             self.children.discard(pid)
             for standby in [s for s in self.standby if s.pid == pid]:
                 self.standby.remove(standby)
@@ -344,19 +363,25 @@ class Zygote:
             client = self.owner_of.pop(pid, None)
             if client is not None:
                 client.children.discard(pid)
-                client.send(RankExited(pid, os.waitstatus_to_exitcode(status)))
+                client.ranks.pop(pid, None)
+                client.send(RankExited(pid, code))
+        return reaped
 
-    def _kill(self, pids: set[int]) -> None:
-        """SIGKILL these children and reap them (their drivers learn of each exit)."""
-        for pid in list(pids):
+    def _kill(self, pids: set[int]) -> dict[int, int]:
+        """SIGKILL these children and reap them (their drivers learn of each exit); {pid: exit
+        code} of those reaped here."""
+        targets = set(pids)  # `pids` may be a driver's own set, which reaping empties
+        for pid in targets:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        codes: dict[int, int] = {}
         deadline = time.monotonic() + 5
-        while pids & self.children and time.monotonic() < deadline:
-            self._reap()
+        while targets & self.children and time.monotonic() < deadline:
+            codes.update(self._reap())
             time.sleep(0.01)
+        return {pid: code for pid, code in codes.items() if pid in targets}
 
 
 def _await_assignment(control: socket.socket, warm: WarmKey | None) -> tuple[Any, int]:
@@ -396,7 +421,24 @@ def _die_with_zygote() -> None:
         pass
 
 
+def _exit_with_owner() -> None:
+    """The owner's socket is read only between imports, and importing megatron.core takes tens
+    of seconds on a loaded host: an owner killed meanwhile (SIGKILL, or a second Ctrl-C cutting
+    its cleanup short) must not leave the zygote importing on. A thread ends the zygote as soon
+    as the owner is gone (this process re-parented); its ranks die with it (PR_SET_PDEATHSIG).
+    Forks carry only the forking thread, so ranks have none."""
+    owner = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == owner:
+            time.sleep(OWNER_POLL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="xdist-megatron-owner", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
+    _exit_with_owner()
     fd = int(argv[1])
     options = json.loads(argv[2])
     modules = list(BASE_PRELOAD) + [m for m in options["preload"] if m not in BASE_PRELOAD]

@@ -13,6 +13,7 @@ import pytest
 
 from .. import placement, sidechannel
 from ..ci import durations
+from ..driver import reporting
 from ..driver.gang import detect_devices
 from ..driver.runtime import RUNTIME
 from ..protocol import DIST_MODE, INPUT_KEY, WORKER_VAR
@@ -22,6 +23,7 @@ DIST_HELP = (
     "megatron: tests marked with a world size run on rank gangs, grouped by (module, world "
     "size), largest first, on exclusive device blocks (xdist-megatron)."
 )
+RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 
 _parser: pytest.Parser | None = None
 
@@ -95,6 +97,21 @@ def pytest_configure_node(node: Any) -> None:
         # Shared by the workers; only for --dist megatron, where the suite surely has gangs.
         "zygote": runtime.host_zygote() if requested(node.config) else None,
     }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """A worker crashed while its gang ran `crashitem`: xdist's headline names the cause; how
+    the gang's ranks ended, which only the shared zygote saw, follows it."""
+    if not isinstance(sched, MegatronScheduling) or not isinstance(report.longrepr, str):
+        return
+    world_size = sched.world_size_of(crashitem)
+    if world_size is None:  # an unmarked test: it ran in the worker, on no gang
+        return
+    runtime = sched.config.stash[RUNTIME]
+    ends = runtime.ranks_left_with(report.node.gateway.id, RANK_END_WAIT)
+    if ends:
+        report.longrepr = reporting.worker_crash(report.longrepr, world_size, ends)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -149,6 +149,10 @@ class MegatronScheduling:
         self.queue.extend(units.values())
         self.queue.sort(key=Unit.priority)
 
+    def world_size_of(self, nodeid: str) -> int | None:
+        """The test's world size, as its worker published it (None: unmarked)."""
+        return self._info(nodeid).world_size
+
     def _world_size(self, index: int) -> int | None:
         return self._info(self.collection[index]).world_size
 
