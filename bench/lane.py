@@ -54,7 +54,16 @@ from _lane import (
     run_lane,
     verdict,
 )
-from _util import Devices, command_line, header_lines, machine, resolve_devices, table, write_json
+from _util import (
+    Devices,
+    command_line,
+    header_lines,
+    importable,
+    machine,
+    resolve_devices,
+    table,
+    write_json,
+)
 
 INFO = machine()  # at import, before the runs: the load they start under
 WARM_GANG_START = 0.1  # seconds: a gang forked from a warm zygote (bench/gang_start.py)
@@ -466,7 +475,10 @@ HEADERS = [
 
 
 def draw_charts(devices: str, png_dir: str, results: list[dict[str, Any]]) -> None:
-    """A Gantt chart per strategy with records."""
+    """A Gantt chart per strategy with records (with the `bench` extra's matplotlib)."""
+    if not importable("matplotlib"):
+        print("Gantt charts left out: matplotlib is not installed (pip install -e '.[bench]')")
+        return
     ids = device_ids(devices)
     for result in results:
         if result.get("jobs"):

@@ -205,6 +205,40 @@ def test_dist_megatron_without_n_runs_serially(pytester, run_pytest, monkeypatch
     result.stdout.no_fnmatch_line("*workers*")
 
 
+ONE_AT_A_TIME_SUITE = """
+import os
+import pytest
+
+@pytest.mark.world_size(2)
+def test_on_all_slots(rank):
+    assert os.environ["XDIST_MEGATRON_DEVICES"] == "0,1"
+
+def test_unmarked():
+    assert "PYTEST_XDIST_WORKER" not in os.environ
+"""
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--megatron-devices", "cpu:1"),
+        ("--megatron-devices", "cpu:2", "--megatron-world-sizes", "2"),
+    ],
+    ids=["one-slot", "every-test-needs-both-slots"],
+)
+def test_n_auto_runs_serially_where_one_gang_fits_at_a_time(pytester, run_pytest, extra):
+    """Workers would add only their start-up to the same work: -n auto starts none, and the
+    header says why."""
+    pytester.makepyfile(test_one_at_a_time=ONE_AT_A_TIME_SUITE)
+    result = run_pytest("-n", "auto", *DIST, *extra, "-rs")
+    result.stdout.fnmatch_lines(["xdist-megatron: -n auto: the * device(s) fit one gang of *"])
+    result.stdout.no_fnmatch_line("*created: *worker*")
+    if "cpu:1" in extra:
+        result.assert_outcomes(passed=1, skipped=1)  # the ws2 test needs 2 devices
+    else:
+        result.assert_outcomes(passed=1, deselected=1)  # the unmarked test is world size 1
+
+
 PLAIN_SUITE = """
 def test_one():
     pass
@@ -216,11 +250,12 @@ def test_two():
 
 @pytest.mark.parametrize(
     ("extra", "workers"),
-    [((), os.cpu_count()), (("--maxprocesses", "1"), 1)],
+    [((), min(os.cpu_count() or 1, 8)), (("--maxprocesses", "1"), 1)],
     ids=["cores", "maxprocesses"],
 )
 def test_n_auto_counts_cpu_cores(pytester, run_pytest, extra, workers):
-    """-n auto in CPU mode starts one worker per core; --maxprocesses caps it."""
+    """-n auto in CPU mode starts one worker per core (at most one per slot); --maxprocesses
+    caps it."""
     pytester.makepyfile(test_plain=PLAIN_SUITE)
     result = run_pytest("-n", "auto", *extra, *DIST, "--megatron-devices", "cpu:8")
     result.assert_outcomes(passed=2)
@@ -231,7 +266,8 @@ def test_n_auto_counts_cpu_cores(pytester, run_pytest, extra, workers):
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
 def test_n_auto_is_the_plugins_count(pytester, tag):
     """With the CPU affinity narrowed to one core, xdist's default would start 1 worker; the
-    contract is the plugin's count (os.cpu_count() in CPU mode, the GPU count on GPUs)."""
+    contract is the plugin's count (os.cpu_count() in CPU mode, at most one per slot; the GPU
+    count on GPUs)."""
     pytester.makepyfile(test_plain=PLAIN_SUITE)
     result = pytester.run(
         "taskset",
@@ -251,7 +287,8 @@ def test_n_auto_is_the_plugins_count(pytester, tag):
     )
     assert_no_processes_left(tag)
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines([f"created: {os.cpu_count()}/{os.cpu_count()} workers"])
+    workers = min(os.cpu_count() or 1, 8)
+    result.stdout.fnmatch_lines([f"created: {workers}/{workers} workers"])
 
 
 CRASH_SUITES = {

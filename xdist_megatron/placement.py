@@ -142,3 +142,9 @@ def to_dict(devices: DeviceSet) -> dict[str, object]:
 
 def from_dict(data: dict) -> DeviceSet:
     return DeviceSet(data["kind"], tuple(data["ids"]), tuple(data["physical"]))
+
+
+def gangs_at_once(device_count: int, world_sizes: set[int]) -> int:
+    """How many gangs can run side by side on `device_count` devices at the most, given the
+    world sizes that will run (unknown, empty: as many as devices)."""
+    return device_count // min(world_sizes, default=1)

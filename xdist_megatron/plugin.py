@@ -150,6 +150,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
+    if xdist_hooks.AUTO_SERIAL in config.stash:
+        return f"xdist-megatron: {config.stash[xdist_hooks.AUTO_SERIAL]}"
     if xdist_hooks.requested(config) and not config.getoption("tx", None):
         return "xdist-megatron: --dist megatron without -n: marked tests run serially on gangs here"
     return None

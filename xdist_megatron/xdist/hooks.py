@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from .. import placement, sidechannel
-from ..ci import durations
+from ..ci import durations, selection
 from ..driver import reporting
 from ..driver.gang import detect_devices
 from ..driver.runtime import RUNTIME
@@ -25,6 +25,7 @@ DIST_HELP = (
 )
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 
+AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
 _parser: pytest.Parser | None = None
 
 
@@ -55,7 +56,10 @@ def requested(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core in CPU mode.
+    """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core (at most one per
+    slot) in CPU mode; none, so that the tests run serially in this process, where the devices
+    fit one gang at a time (one device, or every test known to need more than half of them):
+    workers would only add their start-up and xdist's messages to the same work.
 
     Asked before pytest_configure, so the devices are read here, not from the plugin's state."""
     if not requested(config):
@@ -64,7 +68,31 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
         devices = detect_devices(config.getoption("megatron_devices"))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    return devices.count if devices.is_cuda else os.cpu_count() or 1
+    workers = devices.count if devices.is_cuda else min(os.cpu_count() or 1, devices.count)
+    world_sizes = known_world_sizes(config)
+    if placement.gangs_at_once(devices.count, world_sizes) > 1:
+        return workers
+    smallest = min(world_sizes, default=1)
+    config.stash[AUTO_SERIAL] = (
+        f"-n auto: the {devices.count} device(s) fit one gang of {smallest} at a time, so the "
+        "tests run here, without xdist workers"
+    )
+    return 0
+
+
+def known_world_sizes(config: pytest.Config) -> set[int]:
+    """The world sizes this run's tests are known to have before collection: those
+    --megatron-world-sizes selects, else those of the durations file's tests (an unmarked test
+    is 1: it holds its worker's home device); none when neither says."""
+    selected = selection.world_sizes(config)
+    if selected:
+        return selected
+    path = durations.file_path(config)
+    try:
+        timings = durations.read_file(path) if path is not None else {}
+    except (OSError, ValueError):  # pytest_configure says what is wrong with it
+        return set()
+    return {timing.world_size or 1 for timing in timings.values()}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,0 +1,99 @@
+"""What `-n auto --dist megatron` costs where nothing can run side by side: a generated suite whose
+every test needs all the devices (world size = the device count), serially and under xdist, the
+two modes alternating, whole-process wall time of each run, medians and their ratio.
+
+On one GPU this is every suite: one gang holds the only device. The target (README, "Under
+pytest-xdist"): xdist at most 1.05x the serial wall. Run `python bench/xdist_overhead.py --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from _util import (
+    add_devices_option,
+    header_lines,
+    machine,
+    progress,
+    resolve_devices,
+    run_checked,
+    table,
+    write_ini,
+)
+
+MODES = {"serial": [], "-n auto --dist megatron": ["-n", "auto", "--dist", "megatron"]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", type=int, default=24, help="tests in the suite (default 24)")
+    parser.add_argument("--modules", type=int, default=4, help="modules they are dealt to")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the test durations")
+    parser.add_argument("--min-s", type=float, default=0.2, help="shortest test body, seconds")
+    parser.add_argument("--max-s", type=float, default=1.5, help="longest test body, seconds")
+    add_devices_option(parser)
+    return parser.parse_args(argv)
+
+
+def write_suite(folder: Path, args: argparse.Namespace, world_size: int) -> float:
+    """The suite's modules; returns the sum of the test bodies' sleeps."""
+    rng = random.Random(args.seed)
+    total = 0.0
+    modules: list[list[str]] = [[] for _ in range(args.modules)]
+    for index in range(args.tests):
+        seconds = round(rng.uniform(args.min_s, args.max_s), 3)
+        total += seconds
+        modules[index % args.modules].append(
+            f"\n\n@pytest.mark.world_size({world_size})\ndef test_{index:03d}():\n"
+            f"    dist.barrier()\n    time.sleep({seconds})\n"
+        )
+    for number, tests in enumerate(modules):
+        header = "import time\n\nimport pytest\nimport torch.distributed as dist\n"
+        (folder / f"test_part{number}.py").write_text(header + "".join(tests))
+    write_ini(str(folder))
+    return total
+
+
+def run_mode(folder: Path, options: list[str], devices: list[str]) -> float:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *devices, *options]
+    wall, _ = run_checked(command, str(folder), timeout=1800)
+    return wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    devices = resolve_devices(args.devices)
+    world_size = devices.count
+    info = machine()  # the load before the runs
+    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="xdist-overhead-") as folder:
+        sleeps = write_suite(Path(folder), args, world_size)
+        for round_number in range(args.rounds):
+            order = list(MODES) if round_number % 2 == 0 else list(reversed(MODES))
+            for mode in order:
+                progress(f"round {round_number + 1}: {mode}")
+                walls[mode].append(run_mode(Path(folder), MODES[mode], devices.plugin_options()))
+    serial = statistics.median(walls["serial"])
+    rows = [
+        [mode, *(f"{w:.2f}" for w in runs), f"{statistics.median(runs):.2f}"]
+        + [f"{statistics.median(runs) / serial:.3f}x"]
+        for mode, runs in walls.items()
+    ]
+    headers = ["mode", *(f"run {i + 1}" for i in range(args.rounds)), "median", "vs serial"]
+    print("\n".join(header_lines("xdist-megatron benchmark: xdist where one gang fits", info)))
+    print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")
+    print(f"          {sleeps:.1f} s of sleep in all ({args.min_s}-{args.max_s} s each)")
+    print(f"devices : {devices.describe()}")
+    print("\nWhole-process wall [s], modes alternating (a round's first mode changes each round)")
+    print(table(headers, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
