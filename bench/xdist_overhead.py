@@ -9,6 +9,7 @@ pytest-xdist"): xdist at most 1.05x the serial wall. Run `python bench/xdist_ove
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -26,7 +27,19 @@ from _util import (
     write_ini,
 )
 
-MODES = {"serial": [], "-n auto --dist megatron": ["-n", "auto", "--dist", "megatron"]}
+DIST = ["--dist", "megatron"]
+
+
+def modes(world_size: int, landed_auto: int) -> dict[str, list[str]]:
+    """Serial; -n auto without and with the world sizes known before collection (only then can
+    it start no workers); and as many workers as -n auto started before it could."""
+    known = ["--megatron-world-sizes", str(world_size)]
+    return {
+        "serial": [],
+        "-n auto": ["-n", "auto", *DIST],
+        "-n auto, world sizes given": ["-n", "auto", *DIST, *known],
+        f"-n {landed_auto} (-n auto until now)": ["-n", str(landed_auto), *DIST],
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,26 +84,28 @@ def main(argv: list[str] | None = None) -> int:
     devices = resolve_devices(args.devices)
     world_size = devices.count
     info = machine()  # the load before the runs
-    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    landed_auto = devices.count if not devices.is_cpu else os.cpu_count() or 1
+    runs = modes(world_size, landed_auto)
+    walls: dict[str, list[float]] = {mode: [] for mode in runs}
     with tempfile.TemporaryDirectory(prefix="xdist-overhead-") as folder:
         sleeps = write_suite(Path(folder), args, world_size)
         for round_number in range(args.rounds):
-            order = list(MODES) if round_number % 2 == 0 else list(reversed(MODES))
+            order = list(runs)[round_number % len(runs) :] + list(runs)[: round_number % len(runs)]
             for mode in order:
                 progress(f"round {round_number + 1}: {mode}")
-                walls[mode].append(run_mode(Path(folder), MODES[mode], devices.plugin_options()))
+                walls[mode].append(run_mode(Path(folder), runs[mode], devices.plugin_options()))
     serial = statistics.median(walls["serial"])
     rows = [
-        [mode, *(f"{w:.2f}" for w in runs), f"{statistics.median(runs):.2f}"]
-        + [f"{statistics.median(runs) / serial:.3f}x"]
-        for mode, runs in walls.items()
+        [mode, *(f"{w:.2f}" for w in times), f"{statistics.median(times):.2f}"]
+        + [f"{statistics.median(times) / serial:.3f}x"]
+        for mode, times in walls.items()
     ]
     headers = ["mode", *(f"run {i + 1}" for i in range(args.rounds)), "median", "vs serial"]
     print("\n".join(header_lines("xdist-megatron benchmark: xdist where one gang fits", info)))
     print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")
     print(f"          {sleeps:.1f} s of sleep in all ({args.min_s}-{args.max_s} s each)")
     print(f"devices : {devices.describe()}")
-    print("\nWhole-process wall [s], modes alternating (a round's first mode changes each round)")
+    print("\nWhole-process wall [s]; each round starts with the next mode")
     print(table(headers, rows))
     return 0
 
