@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         for round_number in range(args.rounds):
             order = list(runs)[round_number % len(runs) :] + list(runs)[: round_number % len(runs)]
             for mode in order:
-                progress(f"round {round_number + 1}: {mode}")
-                walls[mode].append(run_mode(Path(folder), runs[mode], devices.plugin_options()))
+                wall = run_mode(Path(folder), runs[mode], devices.plugin_options())
+                progress(f"round {round_number + 1}: {mode}: {wall:.2f} s")
+                walls[mode].append(wall)
     serial = statistics.median(walls["serial"])
     rows = [
         [mode, *(f"{w:.2f}" for w in times), f"{statistics.median(times):.2f}"]
