@@ -1,4 +1,5 @@
-"""The `world_size` marker: validation, one item per size, and each item's resolved size."""
+"""The `world_size` marker: validation, one item per size, and each item's resolved size; and
+`exclusive_devices`, which keeps a test's devices to its gang alone while it runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ ALL = "all"
 MARKER_HELP = (
     "world_size(*sizes): run the test body on every rank of a gang of that many processes; "
     "several sizes make one test per size (ids ws1, ws2...); 'all' means every device of the run."
+)
+
+EXCLUSIVE_MARKER = "exclusive_devices"
+EXCLUSIVE_HELP = (
+    "exclusive_devices: the test's gang holds its devices alone while it runs (every slot of "
+    "--megatron-gangs-per-device): for memory-hungry or timing-sensitive tests."
 )
 
 

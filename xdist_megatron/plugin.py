@@ -20,7 +20,7 @@ from .ci import durations, selection
 from .coverage import rank_coverage
 from .driver import collection, dispatch, import_follower
 from .driver.pool import SESSION_SCOPE
-from .driver.runtime import RUNTIME, Runtime
+from .driver.runtime import RUNTIME, Runtime, gangs_per_device
 from .driver.timeouts import DEFAULT_TIMEOUT, default_timeout, timeout_of
 from .protocol import TIMEOUT, WORLD_SIZE, on_gang_rank
 from .ranks.inprocess import PLUGIN_NAME as RANK_PLUGIN
@@ -72,12 +72,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="folder of the device locks; point several pytest sessions on one host at the same "
         "folder to let them share its GPUs safely (default: one folder per session).",
     )
+    group.addoption(
+        "--megatron-gangs-per-device",
+        type=int,
+        default=None,
+        help="at most K gangs hold a device at once, across workers and sessions sharing the "
+        "lock folder; -n auto starts K workers per device (default: ini "
+        "megatron_gangs_per_device, 1).",
+    )
     selection.add_options(group, parser)
     durations.add_options(group, parser)
     run_report.add_options(group)
     xdist_hooks.add_dist_choice(parser)
     parser.addini("megatron_timeout", "default of --megatron-timeout", default=str(DEFAULT_TIMEOUT))
     parser.addini("megatron_world_size", "default of --megatron-world-size", default="")
+    parser.addini(
+        "megatron_gangs_per_device", "default of --megatron-gangs-per-device", default="1"
+    )
     parser.addini(
         "megatron_preload",
         "modules the zygote imports once for every rank, at its start (default: torch, "
@@ -103,12 +114,14 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", markers.MARKER_HELP)
+    config.addinivalue_line("markers", markers.EXCLUSIVE_HELP)
     config.addinivalue_line("markers", layouts.MARKER_HELP)
     config.addinivalue_line(
         "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
     )
     runtime = config.stash[RUNTIME] = Runtime(config)
     default_timeout(config)  # a bad value is a usage error now, not a failure per test
+    gangs_per_device(config)
     selection.check(config)
     durations.check(config)
     if config.getoption("megatron_devices") is not None and runtime.inprocess is None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..markers import EXCLUSIVE_MARKER
 from ..protocol import WORLD_SIZE, TestJob, module_of
 from . import reporting
 from .gang import GangError
@@ -66,7 +67,9 @@ class GangDispatch:
         )
         try:
             module = module_of(item.nodeid)
-            results = runtime.pool.execute(world_size, module, job, self.timeout_of(item))
+            exclusive = item.get_closest_marker(EXCLUSIVE_MARKER) is not None
+            timeout = self.timeout_of(item)
+            results = runtime.pool.execute(world_size, module, job, timeout, exclusive)
         except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
             return reporting.no_gang(item, str(exc))
         for result in results:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from ..markers import EXCLUSIVE_MARKER
 from ..protocol import FAILED, WORLD_SIZE, CleanupJob, RankInfo, module_of
 from .gang import Gang, GangError
 from .runtime import RUNTIME, Runtime
@@ -74,7 +75,8 @@ class GangHandle:
         timeout = timeout_of(self._item)
         module = module_of(self._item.nodeid)
         pool = self._runtime.pool
-        with pool.devices_held(self.world_size):
+        exclusive = self._item.get_closest_marker(EXCLUSIVE_MARKER) is not None
+        with pool.devices_held(self.world_size, exclusive):
             self._gang = pool.acquire(self.world_size, module, timeout)
             return self._gang.run(fn, *args, **kwargs)
 

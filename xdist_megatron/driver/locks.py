@@ -1,35 +1,74 @@
-"""Exclusive device locks (flock on one file per device), held while a gang runs a job.
+"""Device locks (flock), held while a gang runs a job: K slots per device, so that at most K gangs
+hold a device at once (`--megatron-gangs-per-device K`); an exclusive hold takes every slot.
 
-Safety does not depend on the scheduler: two gangs that share a device, in two xdist workers or
-two pytest sessions pointed at one `--megatron-lock-dir`, take turns. The kernel drops a lock
-when its holder dies, so a killed worker never leaves a device locked.
+Safety does not depend on the scheduler: gangs that share a device, in two xdist workers or
+two pytest sessions pointed at one `--megatron-lock-dir`, take turns once its slots are taken.
+Each device also has a turnstile, held only while slots are being taken: an exclusive holder
+waiting for the last slots keeps newcomers out, so it is not starved by a stream of shared ones.
+The kernel drops a lock when its holder dies, so a killed worker never leaves a device locked.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+SLOT_POLL = 0.02  # seconds between looks for a free slot while every one is taken
+
 
 class DeviceLocks:
-    """Locks named after physical devices, in one folder."""
+    """Locks named after physical devices, in one folder, `slots` per device."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, slots: int = 1) -> None:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
+        self.slots = slots
 
     @contextmanager
-    def hold(self, names: list[str]) -> Iterator[None]:
-        """Hold every named lock (taken in sorted order, so two holders never deadlock)."""
-        fds = []
+    def hold(self, names: list[str], exclusive: bool = False) -> Iterator[None]:
+        """Hold a slot of every named device, or all its slots when `exclusive` (devices taken
+        in sorted order, so two holders never deadlock)."""
+        fds: list[int] = []
         try:
             for name in sorted(set(names)):
-                fd = os.open(os.path.join(self.folder, f"{name}.lock"), os.O_RDWR | os.O_CREAT)
-                fds.append(fd)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                turnstile = self._open(f"{name}.lock")
+                try:
+                    fcntl.flock(turnstile, fcntl.LOCK_EX)
+                    if exclusive:
+                        for slot in range(self.slots):
+                            fds.append(self._take(name, slot))
+                    else:
+                        fds.append(self._take_any(name))
+                finally:
+                    os.close(turnstile)
             yield
         finally:
             for fd in reversed(fds):
                 os.close(fd)  # closing the only descriptor releases its lock
+
+    def _take(self, name: str, slot: int) -> int:
+        fd = self._open(f"{name}.slot{slot}.lock")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _take_any(self, name: str) -> int:
+        """The first free slot of the device, waiting for one if all are taken."""
+        fds = [self._open(f"{name}.slot{slot}.lock") for slot in range(self.slots)]
+        try:
+            while True:
+                for index, fd in enumerate(fds):
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue
+                    return fds.pop(index)
+                time.sleep(SLOT_POLL)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _open(self, file_name: str) -> int:
+        return os.open(os.path.join(self.folder, file_name), os.O_RDWR | os.O_CREAT)

@@ -78,17 +78,21 @@ class GangPool:
         return block
 
     @contextmanager
-    def devices_held(self, world_size: int) -> Iterator[None]:
-        """Hold the device locks of the gang of `world_size` ranks while a job runs on it."""
-        with self.locks.hold([self.devices.lock_name(d) for d in self.block(world_size)]):
+    def devices_held(self, world_size: int, exclusive: bool = False) -> Iterator[None]:
+        """Hold the device locks of the gang of `world_size` ranks while a job runs on it: a
+        slot of each device, or every slot for an `exclusive_devices` test."""
+        names = [self.devices.lock_name(d) for d in self.block(world_size)]
+        with self.locks.hold(names, exclusive):
             yield
 
-    def execute(self, world_size: int, module: str, job: Job, timeout: float) -> list[RankResult]:
+    def execute(
+        self, world_size: int, module: str, job: Job, timeout: float, exclusive: bool = False
+    ) -> list[RankResult]:
         """Run `job` on the gang of `world_size` ranks, holding its devices."""
         self._live_zygote()  # wait for its imports before taking the devices from others
         self._ensure_started(world_size)  # forking and joining create contexts only: no lock
         nodeid = getattr(job, "nodeid", None)
-        with self.devices_held(world_size):
+        with self.devices_held(world_size, exclusive):
             held_from = time.time()
             gang = self.acquire(world_size, module, timeout, nodeid)
             results = gang.execute(job, timeout)

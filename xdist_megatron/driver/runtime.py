@@ -165,7 +165,7 @@ class Runtime:
                 self.config.getoption("megatron_backend") or default_backend(self.devices),
                 self.preload,
                 self.largest_size,
-                DeviceLocks(self.lock_dir),
+                DeviceLocks(self.lock_dir, gangs_per_device(self.config)),
                 self.worker,
                 self.scope,
                 quiet_zygote=self.config.getoption("capture") != "no",
@@ -221,7 +221,8 @@ class Runtime:
         if not self.xdist:
             return contextlib.nullcontext()
         home = placement.home_device(self.devices, self.worker)
-        return DeviceLocks(self.lock_dir).hold([self.devices.lock_name(home)])
+        locks = DeviceLocks(self.lock_dir, gangs_per_device(self.config))
+        return locks.hold([self.devices.lock_name(home)])
 
     def trim_gangs(self, world_size: int) -> None:
         """Shut down this worker's idle gangs of sizes the scheduler will not send it again."""
@@ -313,3 +314,19 @@ class Runtime:
 
 
 RUNTIME = pytest.StashKey[Runtime]()
+
+
+def gangs_per_device(config: pytest.Config) -> int:
+    """--megatron-gangs-per-device, else ini megatron_gangs_per_device: a positive int."""
+    value = config.getoption("megatron_gangs_per_device", None)
+    text = str(value) if value is not None else config.getini("megatron_gangs_per_device")
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise pytest.UsageError(
+            f"--megatron-gangs-per-device / megatron_gangs_per_device must be a positive int, "
+            f"got {text!r}"
+        )
+    return count
