@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_processes_left
 
-from xdist_megatron.placement import home_device, parse_devices, worker_block
+from xdist_megatron.placement import home_device, parse_devices, shared_by, worker_block
 
 DIST = ("--dist", "megatron")
 
@@ -120,7 +120,7 @@ def test_mixed_lane_never_shares_a_device(pytester, run_pytest, audit_dir):
     pytester.makepyfile(**{f"test_mod{m}": MIXED_MODULE for m in range(3)})
     result = run_pytest("-n", "4", *DIST, "--megatron-devices", "cpu:8")
     result.assert_outcomes(passed=18)
-    devices = parse_devices("cpu:8", 0, 8)
+    devices = shared_by(parse_devices("cpu:8", 0, 8), 4)  # placed for the 4 workers
 
     def devices_of(record: dict) -> list[int]:
         if record["devices"] is None:
