@@ -39,9 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("record", help="a junit XML file, or a durations file (JSON)")
     parser.add_argument(
-        "--devices",
+        "--device-counts",
         default=",".join(map(str, DEVICE_COUNTS)),
-        help="device counts D to replay on (default 1,2,4,8)",
+        help="the numbers of devices D to replay on (default 1,2,4,8)",
     )
     parser.add_argument(
         "--gang-start",
@@ -143,6 +143,11 @@ def replay(tests: list[Any], count: int, costs: Any, session_start: float) -> di
     }
 
 
+def seconds(value: float) -> str:
+    """Two decimals, sums that differ only in the float rounding of their order shown alike."""
+    return f"{value + 1e-9:.2f}"
+
+
 def ratio(numerator: float, denominator: float) -> str:
     return f"{numerator / denominator:.2f}" if denominator > 0 else "-"
 
@@ -164,10 +169,10 @@ def report(rows: list[dict[str, Any]]) -> str:
         [
             str(row["devices"]),
             str(row["tests"]),
-            f"{row['serial']:.2f}",
-            f"{row['torchrun']:.2f}",
-            f"{row['megatron']:.2f}",
-            f"{row['ideal']:.2f}",
+            seconds(row["serial"]),
+            seconds(row["torchrun"]),
+            seconds(row["megatron"]),
+            seconds(row["ideal"]),
             ratio(row["serial"], row["megatron"]),
             ratio(row["torchrun"], row["megatron"]),
             ratio(row["megatron"], row["ideal"]),
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     tests = read_record(Path(args.record))
     if not tests:
         raise SystemExit(f"{args.record}: no tests recorded")
-    counts = [int(part) for part in args.devices.split(",")]
+    counts = [int(part) for part in args.device_counts.split(",")]
     costs = sim.Costs(gang_start=args.gang_start, module=args.module_cost)
     rows = [replay(tests, count, costs, args.session_start) for count in counts]
     sizes = Counter(t.world_size or 0 for t in tests)

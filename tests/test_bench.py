@@ -179,7 +179,7 @@ def test_replay_of_a_durations_file(tmp_path: Path) -> None:
     entries = {f"tests/test_a.py::t{i}": {"world_size": 2, "duration": 1.0} for i in range(4)}
     record = tmp_path / "durations.json"
     record.write_text(json.dumps({"version": 1, "tests": entries}))
-    replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--devices", "2,4"]
+    replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--device-counts", "2,4"]
     done = run(replay, tmp_path)
     assert_ran_and_said(done, ["left out: nothing", "4 tests (ws2 x4)"])
 

@@ -146,6 +146,41 @@ def test_mixed_lane_never_shares_a_device(pytester, run_pytest, audit_dir):
     assert overlaps(records, devices_of) == []
 
 
+LONG_UNIT = """
+import time
+
+import pytest
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("n", range(8))
+def test_long(n):
+    time.sleep(0.3)
+"""
+
+SHORT_UNIT = """
+import pytest
+
+@pytest.mark.world_size(1)
+def test_short():
+    pass
+"""
+
+
+def test_an_idle_worker_steals_the_end_of_a_long_unit(pytester, run_pytest):
+    """Through xdist's own steal command and its "unscheduled" answer: worker 1's single test
+    leaves it idle beside worker 0's unit of eight, so it takes the end of worker 0's queue and
+    runs it; every test reports once, from one worker."""
+    pytester.makepyfile(test_long=LONG_UNIT, test_short=SHORT_UNIT)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=9)
+    worker_of = {
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}["worker"]
+        for case in ET.parse(pytester.path / "junit.xml").iter("testcase")
+    }
+    assert len(worker_of) == 9
+    assert {worker_of[f"test_long[{n}]"] for n in range(8)} == {"gw0", "gw1"}, worker_of
+
+
 SMALL_SUITE = """
 import pytest
 

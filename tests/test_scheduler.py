@@ -18,6 +18,7 @@ from xdist_megatron.placement import (
     gang_slot,
     home_device,
     positions,
+    shared_by,
     worker_block,
 )
 from xdist_megatron.protocol import INPUT_KEY
@@ -283,6 +284,17 @@ def test_a_test_on_free_devices_is_not_left_held_back(tmp_path):
     run = Run(tmp_path, items, workers=2).start()
     assert run.sched.queue, "work is left, so no worker is told to shut down"
     assert [w.runnable for w in run.workers] == [True, True], run.sends
+
+
+def test_with_nested_blocks_a_test_on_free_devices_is_not_left_held_back(tmp_path):
+    """The case above, with the blocks placed for the two workers as the plugin places them:
+    worker 1's ws2 block (4-5) lies inside its ws4 one (4-7), so d follows c there and both
+    workers run from the start."""
+    items = {"a.py::t": 4, "b.py::t": 4, "c.py::t": 4, "d.py::t": 2, "e.py::t": 2}
+    run = Run(tmp_path, items, workers=2, devices=shared_by(CPU8, 2)).start()
+    assert [w.runnable for w in run.workers] == [True, True], run.sends
+    run.finish()
+    assert sorted(run.completed) == list(range(len(items))) and not run.overlapping_sends
 
 
 def test_crashed_worker_returns_its_running_test_and_requeues_the_rest(tmp_path):
