@@ -19,7 +19,12 @@ NAME = PACKAGE.name
 # sidechannel) are the bottom layer, "base"; plugin.py and __init__.py sit above everything.
 LAYERS = ("top", "xdist", "report", "driver", "ci", "ranks", "coverage", "base")
 TOP_MODULES = {NAME, f"{NAME}.plugin"}
-PURE = {f"{NAME}.placement", f"{NAME}.ci.sharding"}
+PURE = {
+    f"{NAME}.placement",
+    f"{NAME}.ci.sharding",
+    f"{NAME}.xdist.simulator",
+    f"{NAME}.xdist.splitting",
+}
 HEAVY = ("torch", "pytest", "_pytest", "xdist", "execnet")
 
 

@@ -7,6 +7,7 @@ benchmark that assumes two devices fails here as it would on one GPU.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -132,3 +133,59 @@ def test_nccl_shutdown_fits_one_rank(plain_shell: Path) -> None:
     script = [str(BENCH / "nccl_shutdown.py"), "--device", "cpu", "--rounds", "1"]
     done = run([*torchrun, *script], plain_shell)
     assert_ran_and_said(done, ["left out: tp=2: needs a multiple of 2 ranks, 1 running"])
+
+
+JUNIT_CASE = (
+    '<testcase classname="{module}" name="{name}" time="{time}"><properties>{size}'
+    '<property name="devices" value="0"/></properties></testcase>'
+)
+
+
+def junit_record(tests: list[tuple[str, str, int | None, float]]) -> str:
+    """A junit file as the plugin writes it: a marked test's world size among its properties."""
+    cases = "".join(
+        JUNIT_CASE.format(
+            module=module,
+            name=name,
+            time=time,
+            size="" if size is None else f'<property name="world_size" value="{size}"/>',
+        )
+        for module, name, size, time in tests
+    )
+    return f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>'
+
+
+def test_replay_of_a_junit_file(tmp_path: Path) -> None:
+    """bench/replay.py on a generated junit file: a row per device count, the serial sum of what
+    fits, the simulated scheduler no slower than the ideal allows, and what did not fit."""
+    tests = [("tests.test_a", f"test_one[ws1-{i}]", 1, 1.0) for i in range(8)]
+    tests += [("tests.test_b.TestPair", f"test_two[{i}]", 2, 0.5) for i in range(4)]
+    tests += [("tests.test_c", "test_eight", 8, 2.0), ("tests.test_c", "test_plain", None, 1.0)]
+    record = tmp_path / "junit.xml"
+    record.write_text(junit_record(tests))
+    replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--json", "out.json"]
+    done = run(replay, tmp_path)
+    assert_ran_and_said(done, ["left out: D=1: 4 of ws2, 1 of ws8", "D=4: 1 of ws8"])
+    rows = {row["devices"]: row for row in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8]
+    assert rows[1]["serial"] == pytest.approx(9.0) and rows[1]["megatron"] == pytest.approx(9.0)
+    assert rows[8]["serial"] == pytest.approx(13.0) and rows[8]["torchrun"] == pytest.approx(13.0)
+    for row in rows.values():
+        assert row["ideal"] - 1e-9 <= row["megatron"] <= row["serial"] + 1e-9
+
+
+def test_replay_of_a_durations_file(tmp_path: Path) -> None:
+    """The same from a `--megatron-store-durations` file."""
+    entries = {f"tests/test_a.py::t{i}": {"world_size": 2, "duration": 1.0} for i in range(4)}
+    record = tmp_path / "durations.json"
+    record.write_text(json.dumps({"version": 1, "tests": entries}))
+    replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--device-counts", "2,4"]
+    done = run(replay, tmp_path)
+    assert_ran_and_said(done, ["left out: nothing", "4 tests (ws2 x4)"])
+
+
+def test_sim_lanes_prints_today_against_before(tmp_path: Path) -> None:
+    """bench/sim_lanes.py on two lanes: today's scheduler with and without known durations (the
+    one at --before too, where git has it)."""
+    done = run([sys.executable, str(BENCH / "sim_lanes.py"), "--lanes", "2"], tmp_path)
+    assert_ran_and_said(done, ["today                 known", "today               unknown"])

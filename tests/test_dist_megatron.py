@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_processes_left
 
-from xdist_megatron.placement import home_device, parse_devices, worker_block
+from xdist_megatron.placement import home_device, parse_devices, shared_by, worker_block
 
 DIST = ("--dist", "megatron")
 
@@ -120,7 +120,7 @@ def test_mixed_lane_never_shares_a_device(pytester, run_pytest, audit_dir):
     pytester.makepyfile(**{f"test_mod{m}": MIXED_MODULE for m in range(3)})
     result = run_pytest("-n", "4", *DIST, "--megatron-devices", "cpu:8")
     result.assert_outcomes(passed=18)
-    devices = parse_devices("cpu:8", 0, 8)
+    devices = shared_by(parse_devices("cpu:8", 0, 8), 4)  # placed for the 4 workers
 
     def devices_of(record: dict) -> list[int]:
         if record["devices"] is None:
@@ -144,6 +144,41 @@ def test_mixed_lane_never_shares_a_device(pytester, run_pytest, audit_dir):
     }
     assert dict(ranks) == expected
     assert overlaps(records, devices_of) == []
+
+
+LONG_UNIT = """
+import time
+
+import pytest
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("n", range(8))
+def test_long(n):
+    time.sleep(0.3)
+"""
+
+SHORT_UNIT = """
+import pytest
+
+@pytest.mark.world_size(1)
+def test_short():
+    pass
+"""
+
+
+def test_an_idle_worker_steals_the_end_of_a_long_unit(pytester, run_pytest):
+    """Through xdist's own steal command and its "unscheduled" answer: worker 1's single test
+    leaves it idle beside worker 0's unit of eight, so it takes the end of worker 0's queue and
+    runs it; every test reports once, from one worker."""
+    pytester.makepyfile(test_long=LONG_UNIT, test_short=SHORT_UNIT)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=9)
+    worker_of = {
+        case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}["worker"]
+        for case in ET.parse(pytester.path / "junit.xml").iter("testcase")
+    }
+    assert len(worker_of) == 9
+    assert {worker_of[f"test_long[{n}]"] for n in range(8)} == {"gw0", "gw1"}, worker_of
 
 
 SMALL_SUITE = """

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from xdist_megatron.placement import DeviceSet, block_for, parse_devices
+from xdist_megatron.placement import (
+    DeviceSet,
+    block_for,
+    from_dict,
+    gang_slot,
+    parse_devices,
+    shared_by,
+    to_dict,
+    worker_block,
+)
 
 CPU8 = DeviceSet("cpu", tuple(range(8)))
 
@@ -99,3 +108,41 @@ def test_device_set_counts():
     assert (CPU8.count, CPU8.is_cuda) == (8, False)
     gpus = parse_devices("0,2", 4, 2)
     assert (gpus.count, gpus.is_cuda) == (2, True)
+
+
+@pytest.mark.parametrize(
+    ("worker", "size", "workers", "slot"),
+    [
+        (1, 4, 8, 0),  # 8 workers on 8 devices: the block of the home device
+        (5, 4, 8, 1),
+        (3, 2, 8, 1),
+        (6, 1, 8, 6),
+        (1, 4, 2, 1),  # 2 workers on 8 devices: spread evenly
+        (1, 2, 2, 2),
+        (1, 1, 2, 4),
+        (2, 1, 3, 5),  # 3 workers: 0, 2, 5
+        (9, 2, 16, 0),  # 2 gangs per device: worker 9's home device is 1
+        (7, 3, 8, 1),  # a size that does not divide the devices: the last block that fits
+        (0, 16, 8, None),
+    ],
+)
+def test_gang_slot_for_a_known_worker_count(worker, size, workers, slot):
+    """With the worker count known, a worker's blocks follow its place among the workers."""
+    assert gang_slot(worker, size, 8, workers) == slot
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5, 8, 16])
+def test_a_workers_blocks_nest(workers):
+    """Each of a worker's blocks lies inside its larger ones (sizes 1, 2, 4, 8 on 8 devices), so
+    after a large gang a worker goes on with smaller ones on devices it already had."""
+    devices = shared_by(CPU8, workers)
+    for worker in range(workers):
+        blocks = [set(worker_block(devices, worker, size)) for size in (1, 2, 4, 8)]
+        assert all(small <= large for small, large in zip(blocks, blocks[1:], strict=False))
+
+
+def test_the_worker_count_travels_to_the_workers():
+    """The controller hands the devices to its workers as plain data, worker count included."""
+    devices = shared_by(parse_devices("0,2", 4, 2), 2)
+    assert from_dict(to_dict(devices)) == devices
+    assert from_dict({"kind": "cpu", "ids": [0, 1], "physical": []}).workers == 0

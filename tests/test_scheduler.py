@@ -18,6 +18,7 @@ from xdist_megatron.placement import (
     gang_slot,
     home_device,
     positions,
+    shared_by,
     worker_block,
 )
 from xdist_megatron.protocol import INPUT_KEY
@@ -42,6 +43,9 @@ class Worker:
     def send_runtest_some(self, indices: list[int]) -> None:
         self.run.record_send(self, list(indices))
         self.queue.extend(indices)
+
+    def send_steal(self, indices: list[int]) -> None:
+        self.run.steal_requests.append((self, list(indices)))
 
     def shutdown(self) -> None:
         self.shutting_down = True
@@ -74,6 +78,7 @@ class Run:
         self.overlapping_sends: list[tuple[int, list[str]]] = []
         self.completed: list[int] = []
         self.crashed: list[str] = []
+        self.steal_requests: list[tuple[Worker, list[int]]] = []
 
     # -- what the scheduler sees --------------------------------------------------------------
 
@@ -114,11 +119,26 @@ class Run:
         self._dsession_check()
         return worker
 
+    def answer_steals(self) -> None:
+        """Each worker asked to give tests back does as xdist's does: all of them if all are
+        still in its queue (past the test it runs and the one it took to follow), else none."""
+        while self.steal_requests:
+            worker, indices = self.steal_requests.pop(0)
+            if worker not in self.workers:
+                continue  # it crashed: it answers nothing
+            stealable = worker.queue[2:]
+            stolen = indices if all(i in stealable for i in indices) else []
+            worker.queue = [i for i in worker.queue if i not in stolen]
+            self.sched.remove_pending_tests_from_node(worker, stolen)
+            self._dsession_check()
+
     def finish(self, seed: int = 0) -> None:
         """Complete tests in a seeded random order among the workers able to run one."""
         rng = random.Random(seed)
+        self.answer_steals()
         while runnable := [w for w in self.workers if w.runnable]:
             self.complete(rng.choice(runnable))
+            self.answer_steals()
 
     def _dsession_check(self) -> None:
         if self.sched.tests_finished:
@@ -266,6 +286,17 @@ def test_a_test_on_free_devices_is_not_left_held_back(tmp_path):
     assert [w.runnable for w in run.workers] == [True, True], run.sends
 
 
+def test_with_nested_blocks_a_test_on_free_devices_is_not_left_held_back(tmp_path):
+    """The case above, with the blocks placed for the two workers as the plugin places them:
+    worker 1's ws2 block (4-5) lies inside its ws4 one (4-7), so d follows c there and both
+    workers run from the start."""
+    items = {"a.py::t": 4, "b.py::t": 4, "c.py::t": 4, "d.py::t": 2, "e.py::t": 2}
+    run = Run(tmp_path, items, workers=2, devices=shared_by(CPU8, 2)).start()
+    assert [w.runnable for w in run.workers] == [True, True], run.sends
+    run.finish()
+    assert sorted(run.completed) == list(range(len(items))) and not run.overlapping_sends
+
+
 def test_crashed_worker_returns_its_running_test_and_requeues_the_rest(tmp_path):
     """remove_node names the running test as the crash item; the tests queued behind it run on
     the replacement (same index, same devices), and nothing runs twice."""
@@ -311,6 +342,75 @@ def test_crash_mid_run_loses_nothing(tmp_path, seed):
     assert crashed is not None and crashed not in {run.collection[i] for i in run.completed}
     assert sorted(run.completed + [run.collection.index(crashed)]) == list(range(len(MIXED)))
     assert run.overlapping_sends == []
+
+
+TAIL = {**{f"a.py::t{i}": 1 for i in range(6)}, "b.py::t0": 1}  # on 2 devices, 2 workers
+CPU2 = DeviceSet("cpu", (0, 1))
+
+
+def test_a_worker_with_a_short_queue_steals_the_end_of_a_long_one(tmp_path):
+    """Worker 1's one test leaves it idle beside worker 0's six: it asks for the end of worker
+    0's queue (past the test running and the one taken to follow it), and runs what it gets."""
+    run = Run(tmp_path, TAIL, workers=2, devices=CPU2).start()
+    [(victim, indices)] = run.steal_requests
+    assert victim.index == 0 and indices == [4, 5]
+    run.answer_steals()
+    assert run.sends[-1] == (1, ["a.py::t4", "a.py::t5"])
+    run.finish()
+    assert sorted(run.completed) == list(range(len(TAIL))) and not run.overlapping_sends
+
+
+def test_a_steal_of_tests_already_begun_gets_none_and_loses_nothing(tmp_path):
+    """The victim answers with none when it has taken a requested test meanwhile; the scheduler
+    keeps its tests where they are and every test runs once."""
+    run = Run(tmp_path, TAIL, workers=2, devices=CPU2).start()
+    victim = run.workers[0]
+    run.complete(victim)
+    run.complete(victim)
+    run.complete(victim)  # t4 is running and t5 taken to follow it: neither can be stolen now
+    run.finish()
+    assert sorted(run.completed) == list(range(len(TAIL)))
+    assert not run.sched.steal and not run.stuck
+
+
+def test_a_victim_that_crashes_during_a_steal_answers_nothing(tmp_path):
+    """Its queue is requeued as after any crash; nothing waits for its answer."""
+    run = Run(tmp_path, TAIL, workers=2, devices=CPU2).start()
+    victim = run.workers[0]
+    crashed = run.crash(victim)
+    run.finish()
+    assert crashed == "a.py::t0"
+    assert sorted(run.completed) == [i for i in range(len(TAIL)) if run.collection[i] != crashed]
+
+
+def test_tests_stolen_for_a_worker_that_crashed_go_back_to_the_queue(tmp_path):
+    """The answer comes for a worker that is gone: its tests are queued again and run."""
+    run = Run(tmp_path, TAIL, workers=2, devices=CPU2).start()
+    thief = run.workers[1]
+    assert run.crash(thief) == "b.py::t0"
+    run.finish()
+    assert sorted(run.collection[i] for i in run.completed) == sorted(set(TAIL) - {"b.py::t0"})
+    assert not run.stuck
+
+
+def test_a_test_marked_pending_runs_again(tmp_path):
+    """A `pytest_handlecrashitem` hook that hands the crashed test back has it scheduled again."""
+    run = Run(tmp_path, TAIL, workers=2, devices=CPU2).start()
+    crashed = run.crash(run.workers[0])
+    run.replace(0)
+    run.sched.mark_test_pending(crashed)
+    run.finish()
+    assert sorted(run.completed) == list(range(len(TAIL)))
+
+
+def test_an_idle_workers_block_takes_part_of_the_only_unit(tmp_path):
+    """One module of eight ws1 tests and four workers: the unit goes out in four parts at once,
+    each to a worker of its own, rather than three workers idling."""
+    items = {f"a.py::t{i}": 1 for i in range(8)}
+    run = Run(tmp_path, items, workers=4, devices=DeviceSet("cpu", (0, 1, 2, 3))).start()
+    assert sorted((w, len(nodeids)) for w, nodeids in run.sends) == [(0, 2), (1, 2), (2, 2), (3, 2)]
+    run.finish()
+    assert sorted(run.completed) == list(range(8)) and not run.overlapping_sends
 
 
 def test_worker_without_pending_tests_leaves_no_crash_item(tmp_path):

@@ -19,6 +19,7 @@ class DeviceSet:
     kind: str  # "cuda" or "cpu"
     ids: tuple[int, ...]
     physical: tuple[str, ...] = ()  # CUDA ids as the session saw them, for CUDA_VISIBLE_DEVICES
+    workers: int = 0  # the xdist workers that share them (0: not known, or no xdist)
 
     @property
     def count(self) -> int:
@@ -103,18 +104,28 @@ def _non_negative_int(text: str, spec: str) -> int:
     return value
 
 
-def gang_slot(worker: int, world_size: int, count: int) -> int | None:
-    """Which aligned block of `size` devices worker `worker` uses: its own index when that block
-    fits, else its index modulo the number of blocks (None when no block of that size fits)."""
+def gang_slot(worker: int, world_size: int, count: int, workers: int = 0) -> int | None:
+    """Which aligned block of `world_size` devices worker `worker` uses (None when no block of
+    that size fits).
+
+    With the number of `workers` known, a worker's blocks nest, each inside its larger ones, so
+    a worker that ran a large gang goes on with smaller ones on the same devices instead of
+    waiting for another worker's: fewer workers than devices spread evenly over the blocks
+    (worker j of W takes block j * blocks // W), as many or more take the block of their home
+    device. Not known: the worker's own index when that block fits, else modulo the blocks."""
     blocks = count // world_size if world_size > 0 else 0
     if blocks == 0:
         return None
-    return worker % blocks
+    if workers <= 0:
+        return worker % blocks
+    if workers >= count:
+        return min((worker % count) // world_size, blocks - 1)
+    return (worker % workers) * blocks // workers
 
 
 def worker_block(devices: DeviceSet, worker: int, world_size: int) -> tuple[int, ...] | None:
     """The devices a gang of `size` ranks on worker `worker` runs on."""
-    slot = gang_slot(worker, world_size, devices.count)
+    slot = gang_slot(worker, world_size, devices.count, devices.workers)
     return None if slot is None else block_for(devices, world_size, slot)
 
 
@@ -137,11 +148,23 @@ def positions(devices: DeviceSet, worker: int, world_size: int | None) -> frozen
 
 def to_dict(devices: DeviceSet) -> dict[str, object]:
     """A DeviceSet as plain data, to hand from the xdist controller to its workers."""
-    return {"kind": devices.kind, "ids": list(devices.ids), "physical": list(devices.physical)}
+    return {
+        "kind": devices.kind,
+        "ids": list(devices.ids),
+        "physical": list(devices.physical),
+        "workers": devices.workers,
+    }
 
 
 def from_dict(data: dict) -> DeviceSet:
-    return DeviceSet(data["kind"], tuple(data["ids"]), tuple(data["physical"]))
+    return DeviceSet(
+        data["kind"], tuple(data["ids"]), tuple(data["physical"]), data.get("workers", 0)
+    )
+
+
+def shared_by(devices: DeviceSet, workers: int) -> DeviceSet:
+    """The same devices, placed for `workers` xdist workers (`gang_slot`)."""
+    return DeviceSet(devices.kind, devices.ids, devices.physical, workers)
 
 
 def gangs_at_once(device_count: int, world_sizes: set[int]) -> int:

@@ -40,12 +40,21 @@ def read_items(folder: str) -> dict[str, ItemInfo]:
     return items
 
 
-def write_plan(folder: str, unassigned: set[int], pending: dict[int, set[int]]) -> None:
-    data = {
+def plan(unassigned: set[int], pending: dict[int, set[int]]) -> dict:
+    """The world sizes still to come (0: unmarked): unassigned ones, and each worker's pending."""
+    return {
         "unassigned": sorted(unassigned),
         "pending": {str(w): sorted(s) for w, s in pending.items()},
     }
-    write_json(Path(folder) / PLAN_FILE, data)
+
+
+def write_plan(folder: str, unassigned: set[int], pending: dict[int, set[int]]) -> None:
+    write_json(Path(folder) / PLAN_FILE, plan(unassigned, pending))
+
+
+def sizes_in_plan(data: dict, worker: int) -> set[int]:
+    """World sizes worker `worker` may still run under the plan `data`."""
+    return set(data["unassigned"]) | set(data["pending"].get(str(worker), []))
 
 
 def sizes_still_needed(folder: str, worker: int) -> set[int] | None:
@@ -54,4 +63,4 @@ def sizes_still_needed(folder: str, worker: int) -> set[int] | None:
         data = json.loads((Path(folder) / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return set(data["unassigned"]) | set(data["pending"].get(str(worker), []))
+    return sizes_in_plan(data, worker)

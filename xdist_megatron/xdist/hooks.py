@@ -114,12 +114,19 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
         specs[index] = replacement
 
 
+def placed_devices(config: pytest.Config) -> placement.DeviceSet:
+    """The run's devices as the workers place gangs on them: knowing how many workers share
+    them, so each worker's blocks nest (`placement.gang_slot`)."""
+    devices = config.stash[RUNTIME].devices
+    return placement.shared_by(devices, len(config.getoption("tx")))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     runtime = node.config.stash[RUNTIME]
     node.workerinput[INPUT_KEY] = {
         "worker": int(node.gateway.spec.env.get(WORKER_VAR, 0)),
-        "devices": placement.to_dict(runtime.devices),
+        "devices": placement.to_dict(placed_devices(node.config)),
         "session_dir": runtime.session_dir,
         "lock_dir": runtime.lock_dir,
         # Shared by the workers; only for --dist megatron, where the suite surely has gangs.
@@ -149,7 +156,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     runtime = config.stash[RUNTIME]
     return MegatronScheduling(
         config,
-        runtime.devices,
+        placed_devices(config),
         worker_count=len(config.getoption("tx")),
         item_info=lambda: sidechannel.read_items(runtime.session_dir),
         durations=durations.load(config),

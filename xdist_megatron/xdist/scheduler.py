@@ -5,8 +5,18 @@ the worker's home device). The largest sizes go first, then the longest known du
 gets a unit only when the unit's devices are free of every other worker's pending work, so gangs
 on disjoint devices run at once. A worker holding back a test is served first and filled until
 it is busy (`BUSY_PENDING`) before the next worker, and a unit goes to the worker that already
-has a gang of its size on the same devices. Device locks in the workers keep this safe even when the
-scheduler has to break a wait (see `_unblock`).
+has a gang of its size on the same devices.
+
+A unit stays whole (its tests share one gang start and one collection of the module) unless
+splitting it shortens the makespan by the estimated durations, a part run elsewhere paying
+`SPLIT_COST` (its own gang start and collection). Sent while other blocks of its size sit idle
+(empty workers that nothing else queued fits), a unit goes out in a part per such block; and a
+worker that nothing queued fits (the tail) steals, as xdist's `worksteal` does, the end of
+another worker's queue where both then finish sooner. With nothing queued and nothing to steal,
+every worker is told to shut down (which lets its held-back test run). A worker's blocks nest
+(`placement.gang_slot`), so after a large gang it goes on with smaller ones on devices it had.
+Device locks in the workers keep all this safe even when the scheduler has to break a wait (see
+`_unblock`).
 """
 
 from __future__ import annotations
@@ -15,19 +25,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import pytest
-
 from .. import placement, sidechannel
 from ..ci import sharding
 from ..protocol import INPUT_KEY, module_of
 from ..sidechannel import ItemInfo
+from .splitting import split_evenly, split_point
 
 if TYPE_CHECKING:
+    import pytest
     from xdist.workermanage import WorkerController
 
 # xdist runs a worker's last pending test only once another one (or "shutdown") has arrived: a
 # worker is busy only while it has this many pending, and one with fewer holds its test back.
+# The same two are out of reach of a steal: the running test and the one taken to follow it.
 BUSY_PENDING = 2
+# Seconds a split unit is assumed to cost the worker that takes part of it: a gang start (0.1 s
+# warm on CPU, 0.2-0.4 s on a GPU) and its ranks collecting the module again.
+SPLIT_COST = 0.3
 
 
 @dataclass
@@ -43,17 +57,26 @@ class Unit:
         return (-(self.world_size or 1), -self.duration, self.module)
 
 
+@dataclass(frozen=True)
+class Steal:
+    """A steal request in flight: tests asked back from `victim` for `thief`."""
+
+    victim: WorkerController
+    thief: WorkerController
+    indices: tuple[int, ...]
+
+
 class MegatronScheduling:
     """xdist's Scheduling protocol over `placement`'s pure device functions."""
 
     def __init__(
         self,
-        config: pytest.Config,
+        config: pytest.Config | None,
         devices: placement.DeviceSet,
         worker_count: int,
         item_info: Callable[[], dict[str, ItemInfo]],  # read once collection is done
         durations: dict[str, float],
-        session_dir: str,
+        session_dir: str | None,  # None: the plan stays in memory (the simulator)
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
@@ -69,7 +92,10 @@ class MegatronScheduling:
         self.collection: list[str] | None = None
         self.infos: dict[str, ItemInfo] = {}
         self.index_of: dict[str, int] = {}
+        self.estimates: dict[int, float] = {}  # seconds per test index: known, else typical
         self.world_sizes_sent: dict[WorkerController, set[int | None]] = {}  # each worker's gangs
+        self.steal: Steal | None = None  # at most one request in flight, as in `worksteal`
+        self.plan: dict | None = None  # the world sizes still to come (`sidechannel.plan`)
 
     # -- the protocol -----------------------------------------------------------------------
 
@@ -83,7 +109,7 @@ class MegatronScheduling:
 
     @property
     def tests_finished(self) -> bool:
-        if not self.collection_is_completed or self.queue:
+        if not self.collection_is_completed or self.queue or self.steal is not None:
             return False
         return all(len(p) < BUSY_PENDING for p in self.pending.values())
 
@@ -108,17 +134,34 @@ class MegatronScheduling:
         self._fill()
 
     def mark_test_pending(self, item: str) -> None:
-        raise NotImplementedError("--dist megatron does not steal work")
+        """A test handed back to run again (a `pytest_handlecrashitem` hook's choice)."""
+        self._enqueue([item])
+        self._fill()
 
     def remove_pending_tests_from_node(
         self, node: WorkerController, indices: Sequence[int]
     ) -> None:
-        raise NotImplementedError("--dist megatron does not steal work")
+        """The answer to a steal: the tests `node` gave back (none when it had begun one of
+        them), which go to the worker they were asked for, else back to the queue."""
+        steal, self.steal = self.steal, None
+        taken = set(indices)
+        if node in self.pending:
+            self.pending[node] = [i for i in self.pending[node] if i not in taken]
+        if taken:
+            thief = steal.thief if steal is not None and steal.victim is node else None
+            if thief is not None and thief in self.pending and not thief.shutting_down:
+                self._send_indices(thief, list(indices))
+            else:
+                self._enqueue([self.collection[i] for i in indices])
+        self._fill()
 
     def remove_node(self, node: WorkerController) -> str | None:
         """A worker left: its running test is the crash item, the rest of its work is requeued."""
         pending = self.pending.pop(node)
+        if self.steal is not None and node is self.steal.victim:
+            self.steal = None  # a worker that left answers nothing
         if not pending or self.collection is None:
+            self._fill()
             return None
         crashed, *rest = (self.collection[i] for i in pending)
         self._enqueue(rest)
@@ -145,7 +188,9 @@ class MegatronScheduling:
             key = (info.module, info.world_size)
             unit = units.setdefault(key, Unit(info.module, info.world_size))
             unit.nodeids.append(nodeid)
-            unit.duration += self._durations.get(nodeid, unknown)
+            duration = self._durations.get(nodeid, unknown)
+            unit.duration += duration
+            self.estimates[self.index_of[nodeid]] = duration
         self.queue.extend(units.values())
         self.queue.sort(key=Unit.priority)
 
@@ -163,13 +208,22 @@ class MegatronScheduling:
         return self.infos.get(nodeid) or ItemInfo(module_of(nodeid), None, None)
 
     def _fill(self) -> None:
-        """Give work to every worker that is not busy (`BUSY_PENDING`), where devices allow."""
+        """Give work to every worker that is not busy (`BUSY_PENDING`), where devices allow:
+        whole queued units first, then the end of another worker's queue; release the rest."""
         if self.collection is None:
             return
+        self._assign_queued()
+        self._rebalance()
+        if self.queue and self.steal is None:
+            self._unblock()
+        self._release_idle()
+        self._publish_plan()
+
+    def _assign_queued(self) -> None:
         progress = True
         while self.queue and progress:
             progress = False
-            hungry = [n for n in self._workers() if len(self.pending[n]) < BUSY_PENDING]
+            hungry = self._hungry()
             # A worker holding back a test first: more work lets that test start.
             hungry.sort(key=lambda n: (-len(self.pending[n]), self._choices(n)))
             for node in hungry:
@@ -177,12 +231,9 @@ class MegatronScheduling:
                 # (reserving nothing) while the others' work would take its devices.
                 while len(self.pending[node]) < BUSY_PENDING and self._assign_fitting(node, hungry):
                     progress = True
-        if self.queue:
-            self._unblock()
-        else:
-            for node in self._workers():
-                node.shutdown()
-        self._publish_plan()
+
+    def _hungry(self) -> list[WorkerController]:
+        return [n for n in self._workers() if len(self.pending[n]) < BUSY_PENDING]
 
     def _publish_plan(self) -> None:
         """Tell the workers which gang sizes they may still need (the rest they shut down)."""
@@ -191,7 +242,9 @@ class MegatronScheduling:
             for node, indices in self.pending.items()
         }
         unassigned = {unit.world_size or 0 for unit in self.queue}
-        sidechannel.write_plan(self.session_dir, unassigned, pending)
+        self.plan = sidechannel.plan(unassigned, pending)
+        if self.session_dir is not None:
+            sidechannel.write_plan(self.session_dir, unassigned, pending)
 
     def _workers(self) -> list[WorkerController]:
         live = [n for n in self.pending if n in self.collections and not n.shutting_down]
@@ -216,9 +269,67 @@ class MegatronScheduling:
             devices = self._devices_of(worker, unit.world_size)
             if busy & devices or self._gang_elsewhere(node, unit, devices, hungry):
                 continue
-            self._send(node, unit)
+            self._send(node, self._share(node, unit, devices, hungry))
             return True
         return False
+
+    def _share(
+        self,
+        node: WorkerController,
+        unit: Unit,
+        devices: frozenset[int],
+        hungry: list[WorkerController],
+    ) -> Unit:
+        """The part of `unit` to send `node`: all of it, unless other blocks of its size sit
+        idle (empty workers that nothing else queued fits, on free devices apart from `node`'s)
+        and splitting it between them ends it sooner despite `SPLIT_COST`; the other parts go
+        back to the queue, for those workers."""
+        if len(unit.nodeids) < 2:
+            return unit
+        idle = self._idle_blocks(node, unit, devices, hungry)
+        durations = [self.estimates[self.index_of[n]] for n in unit.nodeids]
+        sizes = split_evenly(durations, 1 + len(idle), SPLIT_COST)
+        if len(sizes) == 1:
+            return unit
+        parts, start = [], 0
+        for size in sizes:
+            part = Unit(unit.module, unit.world_size, unit.nodeids[start : start + size])
+            part.duration = sum(durations[start : start + size])
+            parts.append(part)
+            start += size
+        self.queue.remove(unit)
+        self.queue.extend(parts)
+        self.queue.sort(key=Unit.priority)
+        self._log(f"split {unit.module} ws{unit.world_size} into {sizes}")
+        return parts[0]
+
+    def _idle_blocks(
+        self,
+        node: WorkerController,
+        unit: Unit,
+        devices: frozenset[int],
+        hungry: list[WorkerController],
+    ) -> list[frozenset[int]]:
+        """Blocks of the unit's size, apart from `devices` and from each other, whose workers
+        are empty and fit no other queued unit."""
+        blocks: list[frozenset[int]] = []
+        for other in hungry:
+            if other is node or self.pending[other]:
+                continue
+            theirs = self._devices_of(self._worker_index(other), unit.world_size)
+            if theirs & devices or any(theirs & b for b in blocks):
+                continue
+            busy = self._occupied(exclude=other)
+            if theirs & busy or self._fits_other(other, unit, busy):
+                continue
+            blocks.append(theirs)
+        return blocks
+
+    def _fits_other(self, node: WorkerController, unit: Unit, busy: frozenset[int]) -> bool:
+        worker = self._worker_index(node)
+        return any(
+            u is not unit and not busy & self._devices_of(worker, u.world_size) for u in self.queue
+        )
 
     def _gang_elsewhere(
         self,
@@ -244,6 +355,60 @@ class MegatronScheduling:
                 return True
         return False
 
+    # -- splitting: steals ------------------------------------------------------------------
+
+    def _rebalance(self) -> None:
+        """Ask a worker for the end of its queue for a hungry worker that nothing queued fits,
+        where that ends both sooner (one request at a time, as `worksteal` does)."""
+        if self.steal is not None:
+            return
+        best: tuple[float, WorkerController, WorkerController, list[int]] | None = None
+        for thief in self._hungry():
+            for victim in self.pending:
+                if victim is thief or len(self.pending[victim]) <= BUSY_PENDING:
+                    continue
+                gain, indices = self._steal_gain(victim, thief)
+                if indices and (best is None or gain > best[0]):
+                    best = (gain, victim, thief, indices)
+        if best is not None:
+            _, victim, thief, indices = best
+            self.steal = Steal(victim, thief, tuple(indices))
+            victim.send_steal(indices)
+            self._log(f"{thief.gateway.id} steals {len(indices)} from {victim.gateway.id}")
+
+    def _steal_gain(
+        self, victim: WorkerController, thief: WorkerController
+    ) -> tuple[float, list[int]]:
+        """Seconds saved, and the tests to take, when `thief` takes the end of `victim`'s queue:
+        as many as end both sooner, among those whose devices on the thief are free."""
+        takeable = self._takeable_tail(victim, thief)
+        left = sum(self.estimates.get(i, 0.0) for i in self.pending[victim])
+        ahead = sum(self.estimates.get(i, 0.0) for i in self.pending[thief])
+        durations = [self.estimates.get(i, 0.0) for i in takeable]
+        count, finish = split_point(left, ahead, durations, SPLIT_COST)
+        # While work is queued a worker left with one test would hold it back (no shutdown
+        # comes to let it run): a steal must make the thief busy.
+        short = self.queue and len(self.pending[thief]) + count < BUSY_PENDING
+        if count == 0 or short:
+            return 0.0, []
+        return max(left, ahead) - finish, takeable[len(takeable) - count :]
+
+    def _takeable_tail(self, victim: WorkerController, thief: WorkerController) -> list[int]:
+        """The longest end of `victim`'s queue, past what a steal cannot reach, whose tests fit
+        the thief's devices clear of every other worker's work, the victim's remaining included."""
+        pending = self.pending[victim]
+        worker, thief_index = self._worker_index(victim), self._worker_index(thief)
+        kept = [self._occupied(exclude=thief, also=victim)]  # kept[k]: with pending[:k] kept
+        for index in pending[:-1]:
+            kept.append(kept[-1] | self._devices_of(worker, self._world_size(index)))
+        start = len(pending)
+        while start > BUSY_PENDING:
+            needs = self._devices_of(thief_index, self._world_size(pending[start - 1]))
+            if kept[start - 1] & needs:
+                break
+            start -= 1
+        return pending[start:]
+
     def _unblock(self) -> None:
         """Every worker waits with at most its held-back test and nothing fits beside the others'
         held-back tests: xdist runs a worker's last test only once more work (or shutdown)
@@ -255,13 +420,33 @@ class MegatronScheduling:
         idle = [n for n in workers if not self.pending[n]] or workers
         self._send(idle[0], self.queue[0])
 
-    def _occupied(self, exclude: WorkerController) -> frozenset[int]:
+    def _release_idle(self) -> None:
+        """With nothing queued, shut down the workers nothing more will come to: all of them
+        once no queue is long enough to steal from (shutdown lets held-back tests run), else
+        those holding back a test for which no steal is under way."""
+        if self.queue:
+            return
+        stealable = any(len(p) > BUSY_PENDING for p in self.pending.values())
+        if self.steal is None and not stealable:
+            for node in self._workers():
+                node.shutdown()
+            return
+        for node in self._hungry():
+            if self.pending[node] and self.steal is None:
+                node.shutdown()
+
+    def _occupied(
+        self, exclude: WorkerController, also: WorkerController | None = None
+    ) -> frozenset[int]:
+        """Devices of the other workers' pending tests (not those of `exclude`, nor `also`)."""
         devices: set[int] = set()
         for node, indices in self.pending.items():
             # A worker with one pending test holds it back until more work (or shutdown)
             # arrives: it runs nothing, so its devices are free; should it start that test
             # later, the device locks make it wait its turn.
-            if node is exclude or (len(indices) < BUSY_PENDING and not node.shutting_down):
+            if node is exclude or node is also:
+                continue
+            if len(indices) < BUSY_PENDING and not node.shutting_down:
                 continue
             worker = self._worker_index(node)
             for index in indices:
@@ -270,11 +455,16 @@ class MegatronScheduling:
 
     def _send(self, node: WorkerController, unit: Unit) -> None:
         self.queue.remove(unit)
-        indices = [self.index_of[nodeid] for nodeid in unit.nodeids]
+        self._send_indices(node, [self.index_of[nodeid] for nodeid in unit.nodeids])
+
+    def _send_indices(self, node: WorkerController, indices: list[int]) -> None:
         self.pending[node].extend(indices)
-        self.world_sizes_sent.setdefault(node, set()).add(unit.world_size)
+        self.world_sizes_sent.setdefault(node, set()).update(
+            self._world_size(i) for i in indices
+        )
         node.send_runtest_some(indices)
-        self._log(f"{node.gateway.id}: {unit.module} ws{unit.world_size} x{len(indices)}")
+        first = self._info(self.collection[indices[0]])
+        self._log(f"{node.gateway.id}: {first.module} ws{first.world_size} x{len(indices)}")
 
     def _log(self, message: str) -> None:
         if self.log is not None:
