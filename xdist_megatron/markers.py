@@ -23,6 +23,11 @@ EXCLUSIVE_HELP = (
 )
 
 
+def is_exclusive(item: pytest.Item) -> bool:
+    """Whether the test's gang must hold its devices alone (`exclusive_devices`)."""
+    return item.get_closest_marker(EXCLUSIVE_MARKER) is not None
+
+
 class MarkerError(ValueError):
     """A malformed world_size marker."""
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..markers import EXCLUSIVE_MARKER
+from .. import markers
 from ..protocol import WORLD_SIZE, TestJob, module_of
 from . import reporting
 from .gang import GangError
@@ -67,8 +67,8 @@ class GangDispatch:
         )
         try:
             module = module_of(item.nodeid)
-            exclusive = item.get_closest_marker(EXCLUSIVE_MARKER) is not None
             timeout = self.timeout_of(item)
+            exclusive = markers.is_exclusive(item)
             results = runtime.pool.execute(world_size, module, job, timeout, exclusive)
         except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
             return reporting.no_gang(item, str(exc))

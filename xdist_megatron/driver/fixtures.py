@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ..markers import EXCLUSIVE_MARKER
+from .. import markers
 from ..protocol import FAILED, WORLD_SIZE, CleanupJob, RankInfo, module_of
 from .gang import Gang, GangError
 from .runtime import RUNTIME, Runtime
@@ -75,8 +75,7 @@ class GangHandle:
         timeout = timeout_of(self._item)
         module = module_of(self._item.nodeid)
         pool = self._runtime.pool
-        exclusive = self._item.get_closest_marker(EXCLUSIVE_MARKER) is not None
-        with pool.devices_held(self.world_size, exclusive):
+        with pool.devices_held(self.world_size, markers.is_exclusive(self._item)):
             self._gang = pool.acquire(self.world_size, module, timeout)
             return self._gang.run(fn, *args, **kwargs)
 
@@ -85,7 +84,7 @@ class GangHandle:
         gang, self._gang = self._gang, None
         if gang is None or not gang.alive:
             return
-        with self._runtime.pool.devices_held(self.world_size):
+        with self._runtime.pool.devices_held(self.world_size, markers.is_exclusive(self._item)):
             results = gang.execute(CleanupJob(), default_timeout(self._runtime.config))
         failed = [r for r in results if r.outcome == FAILED]
         if failed:

@@ -6,6 +6,7 @@ will say in the terminal summary. Built in `pytest_configure`, found through `RU
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import sys
@@ -157,6 +158,11 @@ class Runtime:
             return os.path.abspath(chosen)
         return self.xdist["lock_dir"] if self.xdist else os.path.join(self.session_dir, "locks")
 
+    @functools.cached_property
+    def locks(self) -> DeviceLocks:
+        """The device locks every gang job and (under xdist) every unmarked test holds."""
+        return DeviceLocks(self.lock_dir, gangs_per_device(self.config))
+
     @property
     def pool(self) -> GangPool:
         if self._pool is None:
@@ -165,7 +171,7 @@ class Runtime:
                 self.config.getoption("megatron_backend") or default_backend(self.devices),
                 self.preload,
                 self.largest_size,
-                DeviceLocks(self.lock_dir, gangs_per_device(self.config)),
+                self.locks,
                 self.worker,
                 self.scope,
                 quiet_zygote=self.config.getoption("capture") != "no",
@@ -221,8 +227,7 @@ class Runtime:
         if not self.xdist:
             return contextlib.nullcontext()
         home = placement.home_device(self.devices, self.worker)
-        locks = DeviceLocks(self.lock_dir, gangs_per_device(self.config))
-        return locks.hold([self.devices.lock_name(home)])
+        return self.locks.hold([self.devices.lock_name(home)])
 
     def trim_gangs(self, world_size: int) -> None:
         """Shut down this worker's idle gangs of sizes the scheduler will not send it again."""

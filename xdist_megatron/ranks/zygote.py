@@ -257,12 +257,13 @@ class Zygote:
                 os.close(fd)
             return Forked([], self.breaks_cuda)
         self.standby_target = max(self.standby_target, len(specs))
+        keys = [warm_key(spec) for spec in specs]
         # The same gang, replaced, or the next of its kind, may come at once: keep two warm.
-        wanted = Counter(key for key in map(warm_key, specs) if key is not None)
+        wanted = Counter(key for key in keys if key is not None)
         self.warm_wanted |= Counter({key: WARM_PER_KEY * count for key, count in wanted.items()})
         pids = []
-        for spec, fd in zip(specs, fds, strict=True):
-            standby = self._take_standby(warm_key(spec))
+        for spec, key, fd in zip(specs, keys, fds, strict=True):
+            standby = self._take_standby(key)
             if standby is not None:
                 pid = standby.pid
                 socket.send_fds(standby.control, [pickle.dumps(spec)], [fd])
@@ -282,10 +283,10 @@ class Zygote:
     def _take_standby(self, key: WarmKey | None) -> Standby | None:
         """For `key`: a standby warm for it (one done warming up first), else a cold one; a
         standby warm for another key made another device current and cannot serve."""
-        choices = [s for s in self.standby if s.warm == key]
-        choices.sort(key=lambda standby: not standby.warmed_up())
+        choices = [s for s in self.standby if s.warm is None]
         if key is not None:
-            choices += [s for s in self.standby if s.warm is None]
+            warm = [s for s in self.standby if s.warm == key]
+            choices = sorted(warm, key=lambda standby: not standby.warmed_up()) + choices
         if not choices:
             return None
         self.standby.remove(choices[0])
