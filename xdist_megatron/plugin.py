@@ -2,8 +2,8 @@
 
 Each hook hands its work to the layer that owns it (README, "Architecture"): `driver/` for
 what the pytest process does, `xdist/` for the controller, `report/` and `ci/` for what they
-add. The rank fixtures, the xdist hooks and the torchrun coverage are hook modules of their own,
-registered here.
+add. The rank fixtures, the xdist hooks, the Ctrl-C latch and the torchrun coverage are hook
+modules of their own, registered here.
 """
 
 from __future__ import annotations
