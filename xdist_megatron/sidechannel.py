@@ -48,9 +48,8 @@ def plan(unassigned: set[int], pending: dict[int, set[int]]) -> dict:
     }
 
 
-def write_plan(folder: str, data: dict) -> None:
-    """Publish a `plan` for the workers."""
-    write_json(Path(folder) / PLAN_FILE, data)
+def write_plan(folder: str, unassigned: set[int], pending: dict[int, set[int]]) -> None:
+    write_json(Path(folder) / PLAN_FILE, plan(unassigned, pending))
 
 
 def sizes_in_plan(data: dict, worker: int) -> set[int]:

@@ -244,7 +244,7 @@ class MegatronScheduling:
         unassigned = {unit.world_size or 0 for unit in self.queue}
         self.plan = sidechannel.plan(unassigned, pending)
         if self.session_dir is not None:
-            sidechannel.write_plan(self.session_dir, self.plan)
+            sidechannel.write_plan(self.session_dir, unassigned, pending)
 
     def _workers(self) -> list[WorkerController]:
         live = [n for n in self.pending if n in self.collections and not n.shutting_down]

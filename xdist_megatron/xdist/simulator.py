@@ -241,9 +241,9 @@ class Session:
             raise SimulationError(f"{worker.gateway.id} left with {crashed} still pending")
 
     def plan_sizes(self, worker: int) -> set[int] | None:
-        """World sizes the scheduler's plan still has for `worker` (None: no plan made yet, so
-        the worker keeps its gangs)."""
-        plan = self.sched.plan
+        """World sizes the scheduler's plan still has for `worker` (None: it keeps no plan in
+        memory, so the worker keeps its gangs)."""
+        plan = getattr(self.sched, "plan", None)
         return None if plan is None else sidechannel.sizes_in_plan(plan, worker)
 
     def _check_every_test_ran_once(self) -> None:
