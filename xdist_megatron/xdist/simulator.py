@@ -242,7 +242,8 @@ class Session:
 
     def plan_sizes(self, worker: int) -> set[int] | None:
         """World sizes the scheduler's plan still has for `worker` (None: it keeps no plan in
-        memory, so the worker keeps its gangs)."""
+        memory, so the worker keeps its gangs). Read with getattr: bench/sim_lanes.py runs an
+        earlier scheduler, which has no `plan`, through this simulator too."""
         plan = getattr(self.sched, "plan", None)
         return None if plan is None else sidechannel.sizes_in_plan(plan, worker)
 
