@@ -76,9 +76,7 @@ def run_sessions(pytester: pytest.Pytester, per_device: int, meet: float) -> lis
         command += ["--megatron-devices", "cpu:2", "--megatron-lock-dir", str(locks)]
         command += ["--megatron-gangs-per-device", str(per_device), "--megatron-timeout", "90"]
         processes.append(
-            subprocess.Popen(
-                command, cwd=pytester.path, env=env, stdout=subprocess.PIPE, text=True
-            )
+            subprocess.Popen(command, cwd=pytester.path, env=env, stdout=subprocess.PIPE, text=True)
         )
     return [process.communicate(timeout=240)[0] for process in processes]
 
@@ -131,3 +129,83 @@ def test_a_bad_count_is_a_usage_error(pytester) -> None:
     result = pytester.runpytest_subprocess("--megatron-gangs-per-device", "0")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--megatron-gangs-per-device*positive int, got '0'*"])
+
+
+XDIST_SUITE = """
+import json, os, time
+import pytest
+
+RECORD = os.environ["WINDOWS_DIR"]
+
+
+def record(name, start, rank, exclusive=False):
+    if rank == 0:
+        with open(os.path.join(RECORD, f"{name}.json"), "w") as f:
+            json.dump({"start": start, "end": time.time(), "exclusive": exclusive}, f)
+
+
+def meet(name, other, rank):
+    start = time.time()
+    if rank == 0:
+        open(os.path.join(RECORD, f"{name}.here"), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(RECORD, f"{other}.here")):
+        assert time.monotonic() < deadline, f"{other} never ran beside {name}"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    record(name, start, rank)
+"""
+
+XDIST_MODULES = {
+    "test_a": XDIST_SUITE
+    + """
+@pytest.mark.world_size(2)
+def test_meet_b(rank):
+    meet("a", "b", rank)
+
+
+@pytest.mark.world_size(2)
+def test_short_a(rank):
+    record("short-a", time.time(), rank)
+""",
+    "test_b": XDIST_SUITE
+    + """
+@pytest.mark.world_size(2)
+def test_meet_a(rank):
+    meet("b", "a", rank)
+
+
+@pytest.mark.world_size(2)
+def test_short_b(rank):
+    record("short-b", time.time(), rank)
+""",
+    "test_c": XDIST_SUITE
+    + """
+@pytest.mark.world_size(2)
+@pytest.mark.exclusive_devices
+def test_alone(rank):
+    start = time.time()
+    time.sleep(0.5)
+    record("alone", start, rank, exclusive=True)
+""",
+}
+
+
+def test_the_scheduler_places_k_gangs_on_a_device(pytester, run_pytest, monkeypatch) -> None:
+    """`-n 2 --dist megatron` on cpu:2 with K = 2: the two modules' gangs, each needing both slots,
+    run at once (each test waits for the other's), never more than two at a time, and the
+    exclusive test runs alone."""
+    pytester.makepyfile(**XDIST_MODULES)
+    records = pytester.path / "windows"
+    records.mkdir()
+    monkeypatch.setenv("WINDOWS_DIR", str(records))
+    result = run_pytest(
+        *("-n", "2", "--dist", "megatron", "--megatron-devices", "cpu:2"),
+        *("--megatron-gangs-per-device", "2", "--megatron-timeout", "120"),
+    )
+    result.assert_outcomes(passed=5)
+    spans = windows(records)
+    assert len(spans) == 5
+    assert most_at_once(spans) == 2
+    alone = next(s for s in spans if s["exclusive"])
+    assert not [s for s in spans if s is not alone and overlaps(alone, s)]

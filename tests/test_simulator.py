@@ -175,3 +175,32 @@ def test_split_evenly(durations, most, cost, expected) -> None:
     """The parts a unit goes out in, in order, none empty, the longest as short as may be."""
     sizes = split_evenly(durations, most, cost)
     assert sizes == expected and sum(sizes) == len(durations)
+
+
+def test_k_gangs_share_one_device() -> None:
+    """One device, K = 4 and four workers: four modules of ws1 tests run side by side, four gangs
+    on the device at once, and the makespan is a quarter of the serial one."""
+    lane = [t for m in range(4) for t in lane_of(f"m{m}.py", 1, [1.0] * 4)]
+    result = simulate(lane, cpu_devices(1, 4, gangs_per_device=4), 4, Costs(0.1, 0.05))
+    assert result.most_slots == 4
+    assert result.makespan == pytest.approx(4.15)
+
+
+@pytest.mark.parametrize("per_device", [2, 4])
+def test_no_device_holds_more_than_k_gangs(per_device: int) -> None:
+    devices = cpu_devices(8, 8 * per_device, gangs_per_device=per_device)
+    for seed in range(20):
+        result = simulate(random_lane(seed), devices, 8 * per_device)
+        assert result.most_slots <= per_device
+
+
+def test_an_exclusive_test_runs_alone_on_its_devices() -> None:
+    """K = 2 on two devices: the exclusive ws2 test shares its devices with no other span."""
+    lane = lane_of("a.py", 1, [0.5] * 6) + lane_of("b.py", 2, [0.5] * 3)
+    lane.append(SimTest("c.py::alone", "c.py", 2, 1.0, exclusive=True))
+    result = simulate(lane, cpu_devices(2, 4, gangs_per_device=2), 4, Costs(0.1, 0.05))
+    alone = next(span for span in result.spans if span.nodeid == "c.py::alone")
+    for span in result.spans:
+        if span is not alone and set(span.devices) & set(alone.devices):
+            assert span.end <= alone.start or alone.end <= span.start
+    assert result.most_slots == 2

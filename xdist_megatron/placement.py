@@ -6,7 +6,7 @@ numbered slots. A gang of size k occupies a block of k devices from that set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 CPU_PREFIX = "cpu:"
 MIN_CPU_SLOTS = 8
@@ -20,6 +20,7 @@ class DeviceSet:
     ids: tuple[int, ...]
     physical: tuple[str, ...] = ()  # CUDA ids as the session saw them, for CUDA_VISIBLE_DEVICES
     workers: int = 0  # the xdist workers that share them (0: not known, or no xdist)
+    gangs_per_device: int = 1  # how many gangs may hold one device at once
 
     @property
     def count(self) -> int:
@@ -153,21 +154,27 @@ def to_dict(devices: DeviceSet) -> dict[str, object]:
         "ids": list(devices.ids),
         "physical": list(devices.physical),
         "workers": devices.workers,
+        "gangs_per_device": devices.gangs_per_device,
     }
 
 
 def from_dict(data: dict) -> DeviceSet:
     return DeviceSet(
-        data["kind"], tuple(data["ids"]), tuple(data["physical"]), data.get("workers", 0)
+        data["kind"],
+        tuple(data["ids"]),
+        tuple(data["physical"]),
+        data.get("workers", 0),
+        data.get("gangs_per_device", 1),
     )
 
 
 def shared_by(devices: DeviceSet, workers: int) -> DeviceSet:
     """The same devices, placed for `workers` xdist workers (`gang_slot`)."""
-    return DeviceSet(devices.kind, devices.ids, devices.physical, workers)
+    return replace(devices, workers=workers)
 
 
-def gangs_at_once(device_count: int, world_sizes: set[int]) -> int:
+def gangs_at_once(device_count: int, world_sizes: set[int], gangs_per_device: int = 1) -> int:
     """How many gangs can run side by side on `device_count` devices at the most, given the
-    world sizes that will run (unknown, empty: as many as devices)."""
-    return device_count // min(world_sizes, default=1)
+    world sizes that will run (unknown, empty: as many as devices) and how many gangs may share
+    a device."""
+    return device_count // min(world_sizes, default=1) * gangs_per_device

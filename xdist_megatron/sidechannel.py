@@ -24,10 +24,11 @@ class ItemInfo:
     module: str
     world_size: int | None  # None for an unmarked test
     cls: str | None
+    exclusive: bool = False  # `exclusive_devices`: its gang holds its devices alone
 
 
 def write_items(folder: str, worker: str, items: dict[str, ItemInfo]) -> None:
-    data = {nodeid: [i.module, i.world_size, i.cls] for nodeid, i in items.items()}
+    data = {nodeid: [i.module, i.world_size, i.cls, i.exclusive] for nodeid, i in items.items()}
     write_json(Path(folder) / f"{worker}{ITEMS_SUFFIX}", data)
 
 
@@ -35,8 +36,8 @@ def read_items(folder: str) -> dict[str, ItemInfo]:
     """Every worker's item facts merged (all workers collect the same tests)."""
     items: dict[str, ItemInfo] = {}
     for path in sorted(Path(folder).glob(f"*{ITEMS_SUFFIX}")):
-        for nodeid, (module, world_size, cls) in json.loads(path.read_text()).items():
-            items.setdefault(nodeid, ItemInfo(module, world_size, cls))
+        for nodeid, fields in json.loads(path.read_text()).items():
+            items.setdefault(nodeid, ItemInfo(*fields))
     return items
 
 

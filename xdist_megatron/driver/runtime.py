@@ -6,6 +6,7 @@ will say in the terminal summary. Built in `pytest_configure`, found through `RU
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -79,9 +80,12 @@ class Runtime:
             self._devices = placement.from_dict(self.xdist["devices"])
         if self._devices is None:
             try:
-                self._devices = detect_devices(self.config.getoption("megatron_devices"))
+                detected = detect_devices(self.config.getoption("megatron_devices"))
             except ValueError as exc:
                 raise pytest.UsageError(str(exc)) from None
+            self._devices = dataclasses.replace(
+                detected, gangs_per_device=gangs_per_device(self.config)
+            )
         return self._devices
 
     @property
@@ -290,6 +294,7 @@ class Runtime:
                 module_of(item.nodeid),
                 item.stash.get(WORLD_SIZE, None),
                 getattr(getattr(item, "cls", None), "__qualname__", None),
+                markers.is_exclusive(item),
             )
             for item in items
         }

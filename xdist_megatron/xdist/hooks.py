@@ -15,13 +15,14 @@ from .. import placement, sidechannel
 from ..ci import durations, selection
 from ..driver import reporting
 from ..driver.gang import detect_devices
-from ..driver.runtime import RUNTIME
+from ..driver.runtime import RUNTIME, gangs_per_device
 from ..protocol import DIST_MODE, INPUT_KEY, WORKER_VAR
 from .scheduler import MegatronScheduling
 
 DIST_HELP = (
     "megatron: tests marked with a world size run on rank gangs, grouped by (module, world "
-    "size), largest first, on exclusive device blocks (xdist-megatron)."
+    "size), largest first, on device blocks that at most --megatron-gangs-per-device gangs share "
+    "(xdist-megatron)."
 )
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 
@@ -57,9 +58,10 @@ def requested(config: pytest.Config) -> bool:
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core (at most one per
-    slot) in CPU mode; none, so that the tests run serially in this process, where the devices
-    fit one gang at a time (one device, or every test known to need more than half of them):
-    workers would only add their start-up and xdist's messages to the same work.
+    slot) in CPU mode, times `--megatron-gangs-per-device`; none, so that the tests run serially
+    in this process, where the devices fit one gang at a time (one device and one gang on it, or
+    every test known to need more than half of them): workers would only add their start-up and
+    xdist's messages to the same work.
 
     Asked before pytest_configure, so the devices are read here, not from the plugin's state."""
     if not requested(config):
@@ -68,10 +70,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
         devices = detect_devices(config.getoption("megatron_devices"))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    per_device = gangs_per_device(config)
     workers = devices.count if devices.is_cuda else min(os.cpu_count() or 1, devices.count)
     world_sizes = known_world_sizes(config)
-    if placement.gangs_at_once(devices.count, world_sizes) > 1:
-        return workers
+    if placement.gangs_at_once(devices.count, world_sizes, per_device) > 1:
+        return workers * per_device
     smallest = min(world_sizes, default=1)
     config.stash[AUTO_SERIAL] = (
         f"-n auto: the {devices.count} device(s) fit one gang of {smallest} at a time, so the "

@@ -1,11 +1,13 @@
-"""`--dist megatron`: xdist scheduling of (module, world size) units onto exclusive device blocks.
+"""`--dist megatron`: xdist scheduling of (module, world size) units onto device blocks.
 
 Units are all tests of one module with one world size (unmarked tests: one unit per module, on
-the worker's home device). The largest sizes go first, then the longest known durations; a worker
-gets a unit only when the unit's devices are free of every other worker's pending work, so gangs
-on disjoint devices run at once. A worker holding back a test is served first and filled until
-it is busy (`BUSY_PENDING`) before the next worker, and a unit goes to the worker that already
-has a gang of its size on the same devices.
+the worker's home device; `exclusive_devices` tests: units of their own). The largest sizes go
+first, then the longest known durations; a worker gets a unit only when each of the unit's devices
+has a slot free of the other workers' pending work (`gangs_per_device` slots per device, all of
+them for an exclusive unit), so gangs on disjoint devices, and up to K gangs on one, run at
+once. A worker holding back a test is served first and filled until it is busy (`BUSY_PENDING`)
+before the next worker, and a unit goes to the worker that already has a gang of its size on the
+same devices.
 
 A unit stays whole (its tests share one gang start and one collection of the module) unless
 splitting it shortens the makespan by the estimated durations, a part run elsewhere paying
@@ -21,7 +23,8 @@ Device locks in the workers keep all this safe even when the scheduler has to br
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,6 +53,7 @@ class Unit:
 
     module: str
     world_size: int | None  # None: unmarked tests, run in the worker itself
+    exclusive: bool = False  # `exclusive_devices` tests: every slot of their devices
     nodeids: list[str] = field(default_factory=list)
     duration: float = 0.0
 
@@ -181,12 +185,12 @@ class MegatronScheduling:
     # -- placement --------------------------------------------------------------------------
 
     def _enqueue(self, nodeids: Sequence[str]) -> None:
-        units: dict[tuple[str, int | None], Unit] = {}
+        units: dict[tuple[str, int | None, bool], Unit] = {}
         unknown = sharding.typical_duration(self._durations.values())
         for nodeid in nodeids:
             info = self._info(nodeid)
-            key = (info.module, info.world_size)
-            unit = units.setdefault(key, Unit(info.module, info.world_size))
+            key = (info.module, info.world_size, info.exclusive)
+            unit = units.setdefault(key, Unit(info.module, info.world_size, info.exclusive))
             unit.nodeids.append(nodeid)
             duration = self._durations.get(nodeid, unknown)
             unit.duration += duration
@@ -203,6 +207,23 @@ class MegatronScheduling:
 
     def _devices_of(self, worker: int, world_size: int | None) -> frozenset[int]:
         return placement.positions(self.devices, worker, world_size)
+
+    def _fits(self, busy: Counter[int], devices: Collection[int], exclusive: bool) -> bool:
+        """Whether a gang fits `devices` beside the gangs `busy` counts on each: one more slot
+        of each, or every slot for an exclusive one."""
+        need = self.devices.gangs_per_device if exclusive else 1
+        return all(busy[d] + need <= self.devices.gangs_per_device for d in devices)
+
+    def _load(self, worker: int, indices: Sequence[int]) -> Counter[int]:
+        """The slots a worker's tests `indices` take of each device: one of each device they
+        use (it runs one test at a time), every one of those an exclusive test uses."""
+        load: Counter[int] = Counter()
+        for index in indices:
+            info = self._info(self.collection[index])
+            weight = self.devices.gangs_per_device if info.exclusive else 1
+            for device in self._devices_of(worker, info.world_size):
+                load[device] = max(load[device], weight)
+        return load
 
     def _info(self, nodeid: str) -> ItemInfo:
         return self.infos.get(nodeid) or ItemInfo(module_of(nodeid), None, None)
@@ -254,8 +275,8 @@ class MegatronScheduling:
         """How many queued units fit this worker now (the most constrained chooses first)."""
         busy = self._occupied(exclude=node)
         worker = self._worker_index(node)
-        fits = (busy.isdisjoint(self._devices_of(worker, u.world_size)) for u in self.queue)
-        return sum(fits)
+        devices = self._devices_of
+        return sum(self._fits(busy, devices(worker, u.world_size), u.exclusive) for u in self.queue)
 
     def _worker_index(self, node: WorkerController) -> int:
         return int(node.workerinput[INPUT_KEY]["worker"])
@@ -267,7 +288,9 @@ class MegatronScheduling:
         worker = self._worker_index(node)
         for unit in self.queue:
             devices = self._devices_of(worker, unit.world_size)
-            if busy & devices or self._gang_elsewhere(node, unit, devices, hungry):
+            if not self._fits(busy, devices, unit.exclusive):
+                continue
+            if self._gang_elsewhere(node, unit, devices, hungry):
                 continue
             self._send(node, self._share(node, unit, devices, hungry))
             return True
@@ -293,7 +316,9 @@ class MegatronScheduling:
             return unit
         parts, start = [], 0
         for size in sizes:
-            part = Unit(unit.module, unit.world_size, unit.nodeids[start : start + size])
+            part = Unit(
+                unit.module, unit.world_size, unit.exclusive, unit.nodeids[start : start + size]
+            )
             part.duration = sum(durations[start : start + size])
             parts.append(part)
             start += size
@@ -310,25 +335,29 @@ class MegatronScheduling:
         devices: frozenset[int],
         hungry: list[WorkerController],
     ) -> list[frozenset[int]]:
-        """Blocks of the unit's size, apart from `devices` and from each other, whose workers
-        are empty and fit no other queued unit."""
+        """Blocks of the unit's size whose workers are empty and fit no other queued unit, with
+        a slot for a part of it beside the running work, `node`'s part and each other's."""
+        weight = self.devices.gangs_per_device if unit.exclusive else 1
+        planned: Counter[int] = Counter(dict.fromkeys(devices, weight))
         blocks: list[frozenset[int]] = []
         for other in hungry:
             if other is node or self.pending[other]:
                 continue
             theirs = self._devices_of(self._worker_index(other), unit.world_size)
-            if theirs & devices or any(theirs & b for b in blocks):
-                continue
             busy = self._occupied(exclude=other)
-            if theirs & busy or self._fits_other(other, unit, busy):
+            if not self._fits(busy + planned, theirs, unit.exclusive):
                 continue
+            if self._fits_other(other, unit, busy):
+                continue
+            planned.update(dict.fromkeys(theirs, weight))
             blocks.append(theirs)
         return blocks
 
-    def _fits_other(self, node: WorkerController, unit: Unit, busy: frozenset[int]) -> bool:
+    def _fits_other(self, node: WorkerController, unit: Unit, busy: Counter[int]) -> bool:
         worker = self._worker_index(node)
         return any(
-            u is not unit and not busy & self._devices_of(worker, u.world_size) for u in self.queue
+            u is not unit and self._fits(busy, self._devices_of(worker, u.world_size), u.exclusive)
+            for u in self.queue
         )
 
     def _gang_elsewhere(
@@ -351,7 +380,7 @@ class MegatronScheduling:
             index = self._worker_index(other)
             if self._devices_of(index, unit.world_size) != devices:
                 continue
-            if not self._occupied(exclude=other) & devices:
+            if self._fits(self._occupied(exclude=other), devices, unit.exclusive):
                 return True
         return False
 
@@ -398,13 +427,15 @@ class MegatronScheduling:
         the thief's devices clear of every other worker's work, the victim's remaining included."""
         pending = self.pending[victim]
         worker, thief_index = self._worker_index(victim), self._worker_index(thief)
-        kept = [self._occupied(exclude=thief, also=victim)]  # kept[k]: with pending[:k] kept
+        others = self._occupied(exclude=thief, also=victim)
+        kept: list[Counter[int]] = [Counter()]  # kept[k]: the victim's load with pending[:k]
         for index in pending[:-1]:
-            kept.append(kept[-1] | self._devices_of(worker, self._world_size(index)))
+            kept.append(kept[-1] | self._load(worker, [index]))
         start = len(pending)
         while start > BUSY_PENDING:
-            needs = self._devices_of(thief_index, self._world_size(pending[start - 1]))
-            if kept[start - 1] & needs:
+            info = self._info(self.collection[pending[start - 1]])
+            needs = self._devices_of(thief_index, info.world_size)
+            if not self._fits(others + kept[start - 1], needs, info.exclusive):
                 break
             start -= 1
         return pending[start:]
@@ -437,9 +468,10 @@ class MegatronScheduling:
 
     def _occupied(
         self, exclude: WorkerController, also: WorkerController | None = None
-    ) -> frozenset[int]:
-        """Devices of the other workers' pending tests (not those of `exclude`, nor `also`)."""
-        devices: set[int] = set()
+    ) -> Counter[int]:
+        """Slots of each device the other workers' pending tests take (not those of `exclude`,
+        nor `also`: `_load`)."""
+        busy: Counter[int] = Counter()
         for node, indices in self.pending.items():
             # A worker with one pending test holds it back until more work (or shutdown)
             # arrives: it runs nothing, so its devices are free; should it start that test
@@ -448,10 +480,8 @@ class MegatronScheduling:
                 continue
             if len(indices) < BUSY_PENDING and not node.shutting_down:
                 continue
-            worker = self._worker_index(node)
-            for index in indices:
-                devices |= self._devices_of(worker, self._world_size(index))
-        return frozenset(devices)
+            busy.update(self._load(self._worker_index(node), indices))
+        return busy
 
     def _send(self, node: WorkerController, unit: Unit) -> None:
         self.queue.remove(unit)
@@ -459,9 +489,7 @@ class MegatronScheduling:
 
     def _send_indices(self, node: WorkerController, indices: list[int]) -> None:
         self.pending[node].extend(indices)
-        self.world_sizes_sent.setdefault(node, set()).update(
-            self._world_size(i) for i in indices
-        )
+        self.world_sizes_sent.setdefault(node, set()).update(self._world_size(i) for i in indices)
         node.send_runtest_some(indices)
         first = self._info(self.collection[indices[0]])
         self._log(f"{node.gateway.id}: {first.module} ws{first.world_size} x{len(indices)}")

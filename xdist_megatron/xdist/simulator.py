@@ -13,11 +13,12 @@ worker down once the scheduler says `tests_finished`.
 A test runs as the driver runs it (`driver/pool.py`): a test of world size k first trims the
 worker's gangs to the sizes the scheduler's plan still has for it, then needs the worker's gang of
 k ranks (started on first use, and again after a trim: `Costs.gang_start`, before any lock), then
-takes the locks of its device block one at a time in sorted order, waiting for each (flock; a
-waiting worker is served in arrival order), then pays `Costs.module` when its module is new to
+takes a slot of each device of its block one at a time in sorted order (every slot for an
+`exclusive_devices` test), waiting for each (a waiting worker is served in arrival order, as the
+locks' turnstile serves it), then pays `Costs.module` when its module is new to
 that gang (the reset at a module boundary and the ranks collecting the module), then runs for its
-duration. An unmarked test holds its worker's home device and pays neither cost. One gang per
-device (`megatron_gangs_per_device` 1).
+duration. An unmarked test holds its worker's home device and pays neither cost. A device has
+the DeviceSet's `gangs_per_device` slots; gangs that share one run no slower for it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SimTest:
     module: str
     world_size: int | None  # None: unmarked, run in the worker on its home device
     duration: float
+    exclusive: bool = False  # `exclusive_devices`: every slot of its devices
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Result:
     gang_starts: int
     module_loads: int
     steals: int  # steal requests that took tests back
+    most_slots: int  # the most slots of one device taken at once (at most gangs_per_device)
 
     @property
     def ratio(self) -> float:
@@ -95,8 +98,9 @@ SchedulerFactory = Callable[..., Scheduler]
 
 
 def ideal_bound(tests: Sequence[SimTest], device_count: int, costs: Costs) -> float:
-    """No schedule beats the device-seconds spread over every device, nor the longest test; and
-    no test body starts before one gang has started and collected its module."""
+    """No schedule beats the device-seconds spread over every device (`device_count`: devices
+    times the gangs each may hold), nor the longest test; and no test body starts before one
+    gang has started and collected its module."""
     if not tests:
         return 0.0
     work = sum((t.world_size or 1) * t.duration for t in tests)
@@ -133,10 +137,11 @@ def simulate(
     return session.run()
 
 
-def cpu_devices(count: int, workers: int = 0) -> placement.DeviceSet:
+def cpu_devices(count: int, workers: int = 0, gangs_per_device: int = 1) -> placement.DeviceSet:
     """`count` CPU slots placed for `workers` xdist workers, as the plugin places them; 0: as it
     placed them before it knew the worker count (worker j's block: j modulo the blocks)."""
-    return placement.shared_by(placement.DeviceSet("cpu", tuple(range(count))), workers)
+    devices = placement.DeviceSet("cpu", tuple(range(count)), gangs_per_device=gangs_per_device)
+    return placement.shared_by(devices, workers)
 
 
 class Clock:
@@ -157,29 +162,37 @@ class Clock:
 
 
 class Locks:
-    """One flock per device: a holder, and the workers waiting for it in arrival order."""
+    """`slots` per device: the slots taken, and the workers waiting in arrival order, each for
+    the slots it needs (the first in line keeps later ones out, as the turnstile does)."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, slots: int) -> None:
         self.clock = clock
-        self.holders: dict[int, SimWorker] = {}
-        self.waiting: dict[int, deque[SimWorker]] = {}
+        self.slots = slots
+        self.taken: Counter[int] = Counter()
+        self.most = 0  # the most slots of one device ever taken at once
+        self.waiting: dict[int, deque[tuple[SimWorker, int]]] = {}
 
-    def take(self, worker: SimWorker, device: int) -> bool:
-        """Take the lock now (True), or queue for it (False: `worker.granted` is called later)."""
+    def take(self, worker: SimWorker, device: int, need: int) -> bool:
+        """Take `need` slots now (True), or queue for them (False: `worker.granted` is called
+        later)."""
         queue = self.waiting.setdefault(device, deque())
-        if device not in self.holders and not queue:
-            self.holders[device] = worker
+        if not queue and self.taken[device] + need <= self.slots:
+            self._add(device, need)
             return True
-        queue.append(worker)
+        queue.append((worker, need))
         return False
 
-    def release(self, device: int) -> None:
-        del self.holders[device]
+    def release(self, device: int, need: int) -> None:
+        self.taken[device] -= need
         queue = self.waiting.get(device)
-        if queue:
-            successor = queue.popleft()
-            self.holders[device] = successor
+        while queue and self.taken[device] + queue[0][1] <= self.slots:
+            successor, wanted = queue.popleft()
+            self._add(device, wanted)
             self.clock.after(0.0, successor.granted)
+
+    def _add(self, device: int, need: int) -> None:
+        self.taken[device] += need
+        self.most = max(self.most, self.taken[device])
 
 
 class Session:
@@ -200,8 +213,10 @@ class Session:
         self.devices = devices
         self.costs = costs
         self.clock = Clock()
-        self.locks = Locks(self.clock)
-        infos = {t.nodeid: ItemInfo(t.module, t.world_size, None) for t in self.tests}
+        self.locks = Locks(self.clock, devices.gangs_per_device)
+        infos = {
+            t.nodeid: ItemInfo(t.module, t.world_size, None, t.exclusive) for t in self.tests
+        }
         timed = None if log is None else (lambda line: log(f"{self.clock.now:8.3f} {line}"))
         self.sched = scheduler(
             None, devices, workers, lambda: infos, dict(known), session_dir, timed
@@ -262,12 +277,15 @@ class Session:
                 busy[device] += span.end - span.start
         return Result(
             makespan=max((span.end for span in self.spans), default=0.0),
-            ideal=ideal_bound(self.tests, self.devices.count, self.costs),
+            ideal=ideal_bound(
+                self.tests, self.devices.count * self.devices.gangs_per_device, self.costs
+            ),
             busy=busy,
             spans=self.spans,
             gang_starts=self.gang_starts,
             module_loads=self.module_loads,
             steals=self.steals,
+            most_slots=self.locks.most,
         )
 
 
@@ -368,9 +386,15 @@ class SimWorker:
             for size in [s for s in self.gangs if s not in needed | {world_size}]:
                 del self.gangs[size]
 
+    def _slots(self) -> int:
+        """The slots of each device the running test needs."""
+        assert self.running is not None
+        exclusive = self.session.tests[self.running].exclusive
+        return self.session.devices.gangs_per_device if exclusive else 1
+
     def _take_locks(self) -> None:
         while self.wanted:
-            if not self.session.locks.take(self, self.wanted[0]):
+            if not self.session.locks.take(self, self.wanted[0], self._slots()):
                 return
             self.held.append(self.wanted.pop(0))
         self._body()
@@ -397,8 +421,9 @@ class SimWorker:
         test = self.session.tests[index]
         now = self.session.clock.now
         self.session.spans.append(Span(test.nodeid, self.index, tuple(self.held), start, now))
+        need = self.session.devices.gangs_per_device if test.exclusive else 1
         for device in self.held:
-            self.session.locks.release(device)
+            self.session.locks.release(device, need)
         self.held = []
         sched = self.session.sched
         self.session.to_controller(lambda: sched.mark_test_complete(self, index, test.duration))
