@@ -7,6 +7,8 @@ A suite written for `torchrun --nproc-per-node N -m pytest` (Megatron-LM's unit 
             that each rank writes its own junit): the way such suites run today; rank 0 counts;
   serial    `pytest --megatron-world-size N`: the plugin, every unmarked test on an N-rank gang;
   xdist     `pytest -n auto --dist megatron --megatron-world-size N`;
+  xdist-kK  the same with `--megatron-gangs-per-device K` (K gangs share each device; -n auto
+            starts devices x K workers), for any K: `--modes torchrun,serial,xdist-k2,xdist-k4`;
   faults    serial and torchrun again, with two tests added to the folder: one whose rank 1
             segfaults, one whose rank 1 hangs while rank 0 waits in a barrier. The plugin runs with
             `--megatron-timeout 20`; torchrun and its ranks are killed at `--fault-cap` s.
@@ -15,8 +17,9 @@ With `--rounds R` the runs of the first three modes repeat R times, each round s
 next mode (the first run of a sitting meets cold caches), and a table gives each mode's wall time
 per round, its median, and the median's ratio to torchrun's.
 
-Per run it prints the wall time, the sum of the tests' junit times, the outcome counts and the
-tests that got no report (`lost`: collected by `pytest --collect-only`, absent from the run's
+Per run it prints the wall time, the peak GPU memory in use (every visible GPU, sampled each
+second by nvidia-smi, where it exists), the sum of the tests' junit times, the outcome counts and
+the tests that got no report (`lost`: collected by `pytest --collect-only`, absent from the run's
 junit), then every test whose outcome differs between the runs. A torchrun run that dies writes no
 junit; its rank 0's reports, streamed as they happen, are used instead (source `stream`).
 
@@ -36,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -48,6 +52,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from _memory import PeakMemory
 from _util import (
     Devices,
     add_devices_option,
@@ -64,7 +69,8 @@ from _util import (
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
 MODES = ("torchrun", "serial", "xdist", "faults")
-TIMED = MODES[:3]  # the modes --rounds repeats
+TIMED = MODES[:3]  # the modes --rounds repeats, with every xdist-kK
+SHARED_XDIST = re.compile(r"xdist-k([1-9][0-9]*)")  # xdist, K gangs per device
 LOST = "lost"
 SEVERITY = ("failed", "error", "skipped", "passed")  # worst first
 JUNIT_OUTCOMES = {"failure": "failed"}
@@ -133,6 +139,7 @@ class Run:
     wall: float = 0.0
     killed: bool = False  # past its cap: the process group was killed ("run lost")
     leftovers: bool = False  # processes of the run were still alive after it exited
+    gpu_peak: int | None = None  # bytes in use on the visible GPUs at the most (None: no GPU)
     source: str = "none"  # junit, stream (rank 0's streamed reports) or none
     expected: list[str] = field(default_factory=list)
     tests: dict[str, TestResult] = field(default_factory=dict)
@@ -183,7 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_devices_option(parser)
     args = parser.parse_args(argv)
     args.modes = [mode for mode in args.modes.split(",") if mode]
-    unknown = set(args.modes) - set(MODES)
+    unknown = {mode for mode in args.modes if mode not in MODES and not is_timed(mode)}
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
     return args
@@ -283,13 +290,15 @@ def execute(run: Run, cwd: Path, cap: float) -> None:
             run.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        try:
-            proc.wait(timeout=cap)
-        except subprocess.TimeoutExpired:
-            run.killed = True
-            stop_run(proc, tag, KILL_GRACE)
-        proc.wait()
-        run.wall = time.monotonic() - started
+        with PeakMemory(proc.pid) as peak:
+            try:
+                proc.wait(timeout=cap)
+            except subprocess.TimeoutExpired:
+                run.killed = True
+                stop_run(proc, tag, KILL_GRACE)
+            proc.wait()
+            run.wall = time.monotonic() - started
+    run.gpu_peak = peak.gpu_peak
     run.returncode = proc.returncode
     run.leftovers = not wait_gone(proc, tag, 3.0)
     if run.leftovers:
@@ -437,7 +446,7 @@ def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: 
 
 def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Run]:
     runs = []
-    timed = [mode for mode in TIMED if mode in modes]
+    timed = [mode for mode in modes if is_timed(mode)]
     if timed:
         expected = collect(plan.testdir, plan.cwd, plan.pytest_args)
         for index in range(args.rounds):
@@ -450,10 +459,19 @@ def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Ru
     return runs
 
 
+def is_timed(mode: str) -> bool:
+    return mode in TIMED or SHARED_XDIST.fullmatch(mode) is not None
+
+
 def run_timed(plan: Plan, mode: str, name: str, expected: list[str]) -> Run:
     if mode == "torchrun":
         return run_torchrun(plan, name, plan.testdir, plan.cap, expected)
-    xdist = ["-n", plan.workers, "--dist", "megatron"] if mode == "xdist" else []
+    if mode == "serial":
+        return run_plugin(plan, name, plan.testdir, [], expected)
+    xdist = ["-n", plan.workers, "--dist", "megatron"]
+    shared = SHARED_XDIST.fullmatch(mode)
+    if shared is not None:
+        xdist += ["--megatron-gangs-per-device", shared.group(1)]
     return run_plugin(plan, name, plan.testdir, xdist, expected)
 
 
@@ -496,15 +514,16 @@ def counts(run: Run) -> dict[str, int]:
 
 
 def summary_table(runs: list[Run]) -> str:
-    headers = ["run", "wall s", "tests s", "passed", "failed", "skipped", "error", "lost",
-               "source", "exit"]  # fmt: skip
+    headers = ["run", "wall s", "GPU peak MiB", "tests s", "passed", "failed", "skipped", "error",
+               "lost", "source", "exit"]  # fmt: skip
     rows = []
     for run in runs:
         tally = counts(run)
         state = "killed" if run.killed else str(run.returncode)
         state += " +leftovers" if run.leftovers else ""
         rows.append([
-            run.name, f"{run.wall:.1f}", f"{sum(r.seconds for r in run.tests.values()):.2f}",
+            run.name, f"{run.wall:.1f}", "-" if run.gpu_peak is None else f"{run.gpu_peak >> 20}",
+            f"{sum(r.seconds for r in run.tests.values()):.2f}",
             *(str(tally[key]) for key in ("passed", "failed", "skipped", "error")),
             str(len(run.lost())), run.source, state,
         ])  # fmt: skip
@@ -516,7 +535,7 @@ def rounds_table(runs: list[Run]) -> str:
     walls: dict[str, list[float]] = {}
     for run in runs:
         mode, _, _ = run.name.partition("#")
-        if mode in TIMED:
+        if is_timed(mode):
             walls.setdefault(mode, []).append(run.wall)
     medians = {mode: statistics.median(values) for mode, values in walls.items()}
     rounds = max(len(values) for values in walls.values())

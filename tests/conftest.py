@@ -85,6 +85,7 @@ def run_pytest(
     def run(
         *args: str, timeout: float = 300, gpus: bool = False, cache: bool = False
     ) -> pytest.RunResult:
+        start_from_a_plain_shell(monkeypatch)  # this suite may itself run under xdist
         if not gpus:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         no_cache = () if cache else ("-p", "no:cacheprovider")

@@ -208,3 +208,63 @@ def wait_for(probe: Callable[[], set[int]], count: int, seconds: float) -> set[i
     while len(found := probe()) < count and time.monotonic() < deadline:
         time.sleep(0.2)
     return found
+
+
+SHARED_GPU_SUITE = """
+import os, time
+import pytest, torch, torch.distributed as dist
+
+RECORD = os.environ["WINDOWS_DIR"]
+
+
+def meet(name, other, device):
+    open(os.path.join(RECORD, name), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(RECORD, other)):
+        assert time.monotonic() < deadline, f"{other} never ran beside {name}"
+        time.sleep(0.05)
+    t = torch.ones(1024, device=device)
+    dist.all_reduce(t)
+    assert t[0].item() == 1.0
+"""
+
+SHARED_GPU_MODULES = {
+    "test_a": SHARED_GPU_SUITE
+    + """
+@pytest.mark.world_size(1)
+def test_meet_b(device):
+    meet("a", "b", device)
+
+@pytest.mark.world_size(1)
+def test_out_of_memory_beside_b(device):
+    torch.empty(1 << 50, dtype=torch.uint8, device=device)
+""",
+    "test_b": SHARED_GPU_SUITE
+    + """
+@pytest.mark.world_size(1)
+def test_meet_a(device):
+    meet("b", "a", device)
+
+@pytest.mark.world_size(1)
+def test_wait_for_the_out_of_memory(device):
+    time.sleep(3)
+""",
+}
+
+
+def test_two_gangs_share_one_gpu(pytester: pytest.Pytester, run_pytest, monkeypatch) -> None:
+    """`-n 2 --dist megatron --megatron-gangs-per-device 2` on one GPU: two gangs run on it at
+    once, each with its own NCCL communicator; a test that runs out of memory there says how many
+    gangs held the GPU."""
+    pytester.makepyfile(**SHARED_GPU_MODULES)
+    records = pytester.path / "records"
+    records.mkdir()
+    monkeypatch.setenv("WINDOWS_DIR", str(records))
+    result = run_pytest(
+        *("-n", "2", "--dist", "megatron", "--megatron-devices", "0"),
+        *("--megatron-gangs-per-device", "2", "-rA"),
+        gpus=True,
+    )
+    print(result.stdout.str())
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*gangs on the device*", "*as the test ended: cuda-*: 2 of 2*"])

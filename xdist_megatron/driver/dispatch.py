@@ -76,7 +76,10 @@ class GangDispatch:
             if result.note:
                 _say(item, f"rank {result.rank}: {result.note}")
         _forward_warnings(item, results)
-        return reporting.merge(item, results)
+        reports = reporting.merge(item, results)
+        pool = runtime.pool
+        reporting.add_sharing(reports, pool.sharing, pool.locks.slots)
+        return reports
 
 
 def _end_driver_scopes(

@@ -49,6 +49,20 @@ class DeviceLocks:
             for fd in reversed(fds):
                 os.close(fd)  # closing the only descriptor releases its lock
 
+    def holders(self, name: str) -> int:
+        """How many slots of the device are held now (this process's own included): a slot
+        that cannot be taken at once is held."""
+        held = 0
+        for slot in range(self.slots):
+            fd = self._open(f"{name}.slot{slot}.lock")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held += 1
+            finally:
+                os.close(fd)
+        return held
+
     def _take(self, name: str, slot: int) -> int:
         fd = self._open(f"{name}.slot{slot}.lock")
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -46,6 +46,9 @@ class GangPool:
         self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
         self.gang_names: dict[int, str] = {}  # world size -> the current gang's name, "ws2#1"
         self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
+        # Gangs holding each of the last job's devices as it ended (K > 1 only): what an out of
+        # memory failure says.
+        self.sharing: dict[str, int] = {}
         self._logged_retired: set[str] = set()
         self._preload = preload
         self._largest_size = largest_size
@@ -84,6 +87,8 @@ class GangPool:
         names = [self.devices.lock_name(d) for d in self.block(world_size)]
         with self.locks.hold(names, exclusive):
             yield
+            if self.locks.slots > 1:
+                self.sharing = {name: self.locks.holders(name) for name in names}
 
     def execute(
         self, world_size: int, module: str, job: Job, timeout: float, exclusive: bool = False

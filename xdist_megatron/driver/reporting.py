@@ -70,6 +70,22 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
     return merged
 
 
+OUT_OF_MEMORY = "CUDA out of memory"  # in torch.OutOfMemoryError's message
+SHARING_SECTION = "gangs on the device"
+
+
+def add_sharing(reports: list[pytest.TestReport], sharing: dict[str, int], per_device: int) -> None:
+    """A failure that ran out of GPU memory says how many gangs held its devices as it ended
+    (`--megatron-gangs-per-device` above 1): the others' memory is part of the story."""
+    if not sharing:
+        return
+    held = ", ".join(f"{name}: {count} of {per_device}" for name, count in sorted(sharing.items()))
+    for report in reports:
+        if report.failed and OUT_OF_MEMORY in str(report.longrepr):
+            text = f"out of GPU memory; gangs holding its devices as the test ended: {held}"
+            report.sections.append((SHARING_SECTION, text))
+
+
 def no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
     """The reports of a test that failed because it had no gang to run on."""
     return [

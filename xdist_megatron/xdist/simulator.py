@@ -214,9 +214,7 @@ class Session:
         self.costs = costs
         self.clock = Clock()
         self.locks = Locks(self.clock, devices.gangs_per_device)
-        infos = {
-            t.nodeid: ItemInfo(t.module, t.world_size, None, t.exclusive) for t in self.tests
-        }
+        infos = {t.nodeid: ItemInfo(t.module, t.world_size, None, t.exclusive) for t in self.tests}
         timed = None if log is None else (lambda line: log(f"{self.clock.now:8.3f} {line}"))
         self.sched = scheduler(
             None, devices, workers, lambda: infos, dict(known), session_dir, timed
