@@ -636,3 +636,33 @@ def test_same_outcomes_as_plain_pytest(pytester, run_pytest):
         "skipped",
         "needs 8 devices, 4 available",
     )
+
+
+ORDER_BY_WORKER_SUITE = """
+import os
+import pytest
+
+NAMES = sorted("abcdef", reverse=os.environ.get("PYTEST_XDIST_WORKER") == "gw1")
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("name", NAMES)
+def test_named(name, rank):
+    pass
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unmarked(name):
+    pass
+"""
+
+
+def test_workers_that_collect_in_another_order_run_the_same_tests(pytester, run_pytest):
+    """Parametrize over a set orders the tests by each process's hash seed: the workers'
+    collections differ in order only, and each test still runs once, by its own index."""
+    pytester.makepyfile(test_order=ORDER_BY_WORKER_SUITE)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "-v")
+    result.assert_outcomes(passed=12)
+    for name in "abcdef":
+        ran = [line for line in result.stdout.lines if "PASSED" in line]
+        assert sum(f"test_named[{name}]" in line for line in ran) == 1, ran

@@ -95,7 +95,11 @@ class MegatronScheduling:
         self.queue: list[Unit] = []
         self.collection: list[str] | None = None
         self.infos: dict[str, ItemInfo] = {}
-        self.index_of: dict[str, int] = {}
+        self.index_of: dict[str, int] = {}  # the scheduler's index of each test
+        # Each worker's own index of each test: workers may collect the same tests in another
+        # order (parametrize over a set, under each process's hash seed), and xdist's messages
+        # carry the worker's indices.
+        self.local_index: dict[WorkerController, dict[str, int]] = {}
         self.estimates: dict[int, float] = {}  # seconds per test index: known, else typical
         self.world_sizes_sent: dict[WorkerController, set[int | None]] = {}  # each worker's gangs
         self.steal: Steal | None = None  # at most one request in flight, as in `worksteal`
@@ -126,15 +130,32 @@ class MegatronScheduling:
         self.pending[node] = []
 
     def add_node_collection(self, node: WorkerController, collection: Sequence[str]) -> None:
-        if self.collection is not None and list(collection) != self.collection:
+        self.collections[node] = list(collection)
+        if self.collection is not None:  # a replacement worker, after scheduling began
+            self._adopt(node)
+
+    def _adopt(self, node: WorkerController) -> None:
+        """Map the worker's indices to the scheduler's; a worker that collected other tests (not
+        only in another order) gets no work."""
+        collection = self.collections[node]
+        if len(collection) != len(self.collection) or set(collection) != set(self.index_of):
+            del self.collections[node]
             self._log(f"{node.gateway.id} collected different tests; it gets no work")
             return
-        self.collections[node] = list(collection)
+        self.local_index[node] = {nodeid: i for i, nodeid in enumerate(collection)}
+
+    def _to_global(self, node: WorkerController, indices: Sequence[int]) -> list[int]:
+        collection = self.collections[node]
+        return [self.index_of[collection[i]] for i in indices]
+
+    def _to_local(self, node: WorkerController, indices: Sequence[int]) -> list[int]:
+        local = self.local_index[node]
+        return [local[self.collection[i]] for i in indices]
 
     def mark_test_complete(
         self, node: WorkerController, item_index: int, duration: float = 0
     ) -> None:
-        self.pending[node].remove(item_index)
+        self.pending[node].remove(self._to_global(node, [item_index])[0])
         self._fill()
 
     def mark_test_pending(self, item: str) -> None:
@@ -148,6 +169,7 @@ class MegatronScheduling:
         """The answer to a steal: the tests `node` gave back (none when it had begun one of
         them), which go to the worker they were asked for, else back to the queue."""
         steal, self.steal = self.steal, None
+        indices = self._to_global(node, indices) if node in self.collections else []
         taken = set(indices)
         if node in self.pending:
             self.pending[node] = [i for i in self.pending[node] if i not in taken]
@@ -178,6 +200,8 @@ class MegatronScheduling:
             collections = [c for n, c in self.collections.items() if n in self.pending]
             self.collection = collections[0] if collections else []
             self.index_of = {nodeid: i for i, nodeid in enumerate(self.collection)}
+            for node in [n for n in self.collections if n in self.pending]:
+                self._adopt(node)
             self.infos = self._item_info()
             self._enqueue(self.collection)
         self._fill()
@@ -402,7 +426,7 @@ class MegatronScheduling:
         if best is not None:
             _, victim, thief, indices = best
             self.steal = Steal(victim, thief, tuple(indices))
-            victim.send_steal(indices)
+            victim.send_steal(self._to_local(victim, indices))
             self._log(f"{thief.gateway.id} steals {len(indices)} from {victim.gateway.id}")
 
     def _steal_gain(
@@ -490,7 +514,7 @@ class MegatronScheduling:
     def _send_indices(self, node: WorkerController, indices: list[int]) -> None:
         self.pending[node].extend(indices)
         self.world_sizes_sent.setdefault(node, set()).update(self._world_size(i) for i in indices)
-        node.send_runtest_some(indices)
+        node.send_runtest_some(self._to_local(node, indices))
         first = self._info(self.collection[indices[0]])
         self._log(f"{node.gateway.id}: {first.module} ws{first.world_size} x{len(indices)}")
 
