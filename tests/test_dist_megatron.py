@@ -666,3 +666,29 @@ def test_workers_that_collect_in_another_order_run_the_same_tests(pytester, run_
     for name in "abcdef":
         ran = [line for line in result.stdout.lines if "PASSED" in line]
         assert sum(f"test_named[{name}]" in line for line in ran) == 1, ran
+
+
+JOINS_AT_IMPORT_SUITE = """
+import os
+import pytest
+import torch.distributed as dist
+
+# As Megatron-LM's modules do: join a group of one at import, in whichever process collects it.
+if not dist.is_initialized():  # a rank's is, by the plugin
+    PORT = os.environ.get("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{PORT}", rank=0, world_size=1)
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("n", range(4))
+def test_marked(n, rank):
+    pass
+"""
+
+
+def test_workers_that_join_a_group_at_import_do_not_collide(pytester, run_pytest):
+    """Each worker gets a MASTER_PORT of its own, as each torchrun run has: a module that joins
+    a process group at import collects on every worker, not on one."""
+    pytester.makepyfile(test_joins=JOINS_AT_IMPORT_SUITE)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2")
+    result.assert_outcomes(passed=4)

@@ -7,6 +7,7 @@ Loaded with the plugin (entry point or `-p xdist_megatron.plugin`), never from a
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import pytest
@@ -100,21 +101,33 @@ def known_world_sizes(config: pytest.Config) -> set[int]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
-    """Give worker j its index and, on GPUs, its home device before it imports anything.
+    """Give worker j its index, a MASTER_PORT of its own and, on GPUs, its home device before
+    it imports anything.
 
-    The environment goes into the spec string so that a replacement worker (xdist clones the
-    spec of a crashed one) inherits the same index and devices."""
+    Suites written for torchrun join a process group at import, in whatever process collects
+    them (Megatron-LM's `Utils.initialize_model_parallel()` at module level, on MASTER_PORT or
+    6000): torchrun gives each of its processes the port of its own run, and so must the workers
+    here, or all but one of them fail to collect those modules. The environment goes into the
+    spec string so that a replacement worker (xdist clones the spec of a crashed one) inherits
+    the same index and devices."""
     import execnet
 
     devices = config.stash[RUNTIME].devices
     for index, spec in enumerate(specs):
-        env = f"//env:{WORKER_VAR}={index}"
+        env = f"//env:{WORKER_VAR}={index}//env:MASTER_PORT={free_port()}"
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
         replacement = execnet.XSpec(f"{spec}{env}")
         replacement.id = spec.id  # keep gw0, gw1...: PYTEST_XDIST_WORKER matches the index
         specs[index] = replacement
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick; free until someone takes it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def placed_devices(config: pytest.Config) -> placement.DeviceSet:
