@@ -194,7 +194,7 @@ def test_alone(rank):
 def test_the_scheduler_places_k_gangs_on_a_device(pytester, run_pytest, monkeypatch) -> None:
     """`-n 2 --dist megatron` on cpu:2 with K = 2: the two modules' gangs, each needing both slots,
     run at once (each test waits for the other's), never more than two at a time, and the
-    exclusive test runs alone."""
+    exclusive test runs alone; the run report stacks the two gangs on each device."""
     pytester.makepyfile(**XDIST_MODULES)
     records = pytester.path / "windows"
     records.mkdir()
@@ -202,7 +202,10 @@ def test_the_scheduler_places_k_gangs_on_a_device(pytester, run_pytest, monkeypa
     result = run_pytest(
         *("-n", "2", "--dist", "megatron", "--megatron-devices", "cpu:2"),
         *("--megatron-gangs-per-device", "2", "--megatron-timeout", "120"),
+        *("--megatron-report", "report.json"),
     )
+    result.stdout.fnmatch_lines(["most tests at once on a device: device 0: 2, device 1: 2"])
+    assert "dev 0.2" in (pytester.path / "report.svg").read_text()
     result.assert_outcomes(passed=5)
     spans = windows(records)
     assert len(spans) == 5

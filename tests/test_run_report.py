@@ -8,7 +8,15 @@ import xml.etree.ElementTree as ET
 
 from xdist_megatron.protocol import GangEvent
 from xdist_megatron.report.gantt import svg
-from xdist_megatron.report.timeline import Span, idle_gaps, summary, utilisation
+from xdist_megatron.report.timeline import (
+    Span,
+    gangs_at_once,
+    idle_gaps,
+    lanes,
+    peak_gpu_used,
+    summary,
+    utilisation,
+)
 
 CPU8 = ("--megatron-devices", "cpu:8")
 SVG = "{http://www.w3.org/2000/svg}"
@@ -132,3 +140,30 @@ def test_no_section_without_gang_tests(run_pytest, pytester):
     result.assert_outcomes(passed=1)
     assert "run report" not in result.stdout.str()
     assert not (pytester.path / "run.json").exists()
+
+
+def shared(nodeid: str, start: float, end: float, devices: tuple[int, ...], used=()) -> Span:
+    return Span(nodeid, start, end, len(devices), devices, "gw0", None, "passed", used)
+
+
+def test_gangs_that_share_a_device_stack_in_lanes() -> None:
+    """Three tests at once on device 0 (K = 3): three lanes there, the lowest free one reused;
+    the chart stacks them in rows of their own; the summary names the most at once and the peak
+    GPU memory in use per device."""
+    spans = [
+        shared("a", 0.0, 2.0, (0,), (1 << 30,)),
+        shared("b", 0.5, 1.0, (0,), (3 << 30,)),
+        shared("c", 0.6, 3.0, (0, 1), (2 << 30, 1 << 30)),
+        shared("d", 1.5, 2.5, (0,)),
+    ]
+    lane_of = lanes(spans)
+    assert [lane_of[n, 0] for n in "abcd"] == [0, 1, 2, 1]
+    assert gangs_at_once(spans) == {0: 3, 1: 1}
+    assert peak_gpu_used(spans) == {0: 3 << 30, 1: 1 << 30}
+    lines = summary(spans, [], (0, 1))
+    assert "most tests at once on a device: device 0: 3, device 1: 1" in lines
+    assert any("peak GPU memory" in line and "device 0 3.0 GiB" in line for line in lines)
+    labels = [t.text for t in ET.fromstring(svg(spans, (0, 1), "t")).iter(f"{SVG}text")]
+    assert [label for label in labels if label.startswith("dev")] == [
+        "dev 0.1", "dev 0.2", "dev 0.3", "device 1",
+    ]  # fmt: skip

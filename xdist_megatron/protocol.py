@@ -176,6 +176,7 @@ class RankResult:
     note: str = ""  # what the rank repaired after the job (a warning of the test)
     lost: str = ""  # DIED, STUCK or WAITED (done, waited for peers): a rank that did not report
     warnings: list[dict] = field(default_factory=list)  # warnings the test raised on the rank
+    gpu_used: int = 0  # bytes in use on the rank's GPU, every process's, as the job ended
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ class GangPool:
         # Gangs holding each of the last job's devices as it ended (K > 1 only): what an out of
         # memory failure says.
         self.sharing: dict[str, int] = {}
+        # Bytes in use on each device of the last job's block as it ended, by every process
+        # (empty: no rank had CUDA): the run report's peak GPU memory per device.
+        self.last_gpu_used: tuple[int, ...] = ()
         self._logged_retired: set[str] = set()
         self._preload = preload
         self._largest_size = largest_size
@@ -102,6 +105,8 @@ class GangPool:
             gang = self.acquire(world_size, module, timeout, nodeid)
             results = gang.execute(job, timeout)
         self.last_hold = (held_from, time.time())
+        used = [r.gpu_used for r in sorted(results, key=lambda r: r.rank)]
+        self.last_gpu_used = tuple(used) if any(used) else ()
         if not gang.alive:
             self._log_retired(world_size, _retire_cause(results))
         return results

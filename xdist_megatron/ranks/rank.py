@@ -201,6 +201,7 @@ class _JobRunner:
             result = self._dispatch(job)
         result.stdout, result.stderr = out.stdout, out.stderr
         result.duration = time.perf_counter() - start
+        result.gpu_used = _gpu_used(int(self.spec.env["LOCAL_RANK"]))
         self.send(result)
         rank_coverage.publish()  # while the driver reads the result: a kill loses one job's lines
 
@@ -374,3 +375,17 @@ def _import_driver_main(path: str) -> None:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _gpu_used(device: int) -> int:
+    """Bytes in use on the GPU by every process (the run report's peak per device); 0 where this
+    rank has not initialised CUDA (asking would), or CUDA no longer answers."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return 0
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except Exception:
+        return 0
+    return total - free

@@ -1,5 +1,6 @@
-"""A Gantt chart of the devices over a run, as a self-contained SVG: one row per device, one bar
-per test on each device it held, coloured by world size; hover a bar for the test. Written by
+"""A Gantt chart of the devices over a run, as a self-contained SVG: one row per device (a row per
+gang a device held at once, stacked, where gangs shared it), one bar per test on each device it
+held, coloured by world size; hover a bar for the test. Written by
 hand so that a CI artifact opens in any browser and the plugin needs no plotting package."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from .timeline import Span, makespan
+from .timeline import Span, lanes, makespan
 
 WIDTH, LEFT, ROW, TOP, BOTTOM = 760, 64, 18, 28, 44
 COLOURS = {None: "#b8b8b8", 1: "#4e79a7", 2: "#f28e2b", 4: "#59a14f", 8: "#e15759"}
@@ -18,28 +19,34 @@ FAILED_STROKE = "#c00000"
 def svg(spans: list[Span], devices: tuple[int, ...], title: str) -> str:
     first, last = makespan(spans)
     scale = (WIDTH - LEFT - 10) / max(last - first, 1e-6)
-    row_of = {device: index for index, device in enumerate(devices)}
-    height = TOP + ROW * len(devices) + BOTTOM
+    lane_of = lanes(spans)
+    depth = {d: 1 + max((lane for (_, d2), lane in lane_of.items() if d2 == d), default=0)
+             for d in devices}  # fmt: skip
+    rows = [(device, lane) for device in devices for lane in range(depth[device])]
+    row_of = {row: index for index, row in enumerate(rows)}
+    height = TOP + ROW * len(rows) + BOTTOM
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',
         f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
         f'<text x="{LEFT}" y="16" font-size="13">{escape(title)}</text>',
     ]
-    for device, row in row_of.items():
-        parts.append(f'<text x="4" y="{TOP + row * ROW + 13}">device {device}</text>')
+    for (device, lane), row in row_of.items():
+        label = f"device {device}" if depth[device] == 1 else f"dev {device}.{lane + 1}"
+        parts.append(f'<text x="4" y="{TOP + row * ROW + 13}">{label}</text>')
     for span in spans:
-        parts += [_bar(span, rows, first, scale) for rows in _row_runs(span, row_of)]
-    parts += _axis(last - first, scale, TOP + ROW * len(devices))
+        mine = [row_of[d, lane_of[span.nodeid, d]] for d in span.devices if d in depth]
+        parts += [_bar(span, run, first, scale) for run in _row_runs(mine)]
+    parts += _axis(last - first, scale, TOP + ROW * len(rows))
     parts += _legend(sorted({s.world_size or 0 for s in spans}), height - 10)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
 
-def _row_runs(span: Span, row_of: dict[int, int]) -> list[tuple[int, int]]:
+def _row_runs(rows: list[int]) -> list[tuple[int, int]]:
     """The test's rows as runs of adjacent rows (first, count): one bar per block of devices."""
     runs: list[tuple[int, int]] = []
-    for row in sorted(row_of[d] for d in span.devices if d in row_of):
+    for row in sorted(rows):
         if runs and runs[-1][0] + runs[-1][1] == row:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:

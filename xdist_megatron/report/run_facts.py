@@ -78,10 +78,11 @@ class RunFacts:
         """The gang the test ran on, and the gang events since the last test's report."""
         on_gang = self.runtime.runs_on_ranks(item) or "gang" in getattr(item, "fixturenames", ())
         if world_size is None or not on_gang:
-            return {"gang": None, "events": []}
+            return {"gang": None, "events": [], "gpu_used": []}
         pool = self.runtime.pool
         events = pool.events[self._events_told :]
         self._events_told = len(pool.events)
         named = [{**asdict(e), "gang": f"{self.worker}:{e.gang}"} for e in events]
         name = pool.gang_names.get(world_size)
-        return {"gang": f"{self.worker}:{name}" if name else None, "events": named}
+        gang = f"{self.worker}:{name}" if name else None
+        return {"gang": gang, "events": named, "gpu_used": list(pool.last_gpu_used)}

@@ -57,6 +57,7 @@ class RunReport:
                 s["worker"],
                 s["gang"],
                 self.outcomes.get(nodeid, "passed"),
+                tuple(s.get("gpu_used", ())),
             )  # fmt: skip
             for nodeid, s in self.stamps.items()
         ]

@@ -30,6 +30,7 @@ class Span:
     worker: str
     gang: str | None
     outcome: str
+    gpu_used: tuple[int, ...] = ()  # bytes in use on each of `devices` as the test ended
 
     @property
     def seconds(self) -> float:
@@ -88,7 +89,55 @@ def summary(spans: list[Span], events: list[GangEvent], devices: tuple[int, ...]
         units[module_of(span.nodeid), span.world_size] += span.seconds
     longest = sorted(units.items(), key=lambda u: -u[1])[:UNITS_SHOWN]
     lines.append("longest units: " + ", ".join(f"{m} {_ws(s)} {t:.1f} s" for (m, s), t in longest))
-    return lines + _idle_lines(spans, devices)
+    return lines + _sharing_lines(spans) + _idle_lines(spans, devices)
+
+
+def lanes(spans: list[Span]) -> dict[tuple[str, int], int]:
+    """Which lane of each device every test used (`(nodeid, device)` to 0, 1...): the lowest
+    lane free when it started, so a device has as many lanes as it had gangs at once."""
+    by_device: dict[int, list[Span]] = defaultdict(list)
+    for span in spans:
+        for device in span.devices:
+            by_device[device].append(span)
+    lane_of: dict[tuple[str, int], int] = {}
+    for device, group in by_device.items():
+        ends: list[float] = []  # when each lane is free again
+        for span in sorted(group, key=lambda s: (s.start, s.end)):
+            free = [lane for lane, end in enumerate(ends) if end <= span.start]
+            lane = free[0] if free else len(ends)
+            ends[lane : lane + 1] = [span.end]
+            lane_of[span.nodeid, device] = lane
+    return lane_of
+
+
+def gangs_at_once(spans: list[Span]) -> dict[int, int]:
+    """The most tests that held each device at the same time."""
+    most: dict[int, int] = defaultdict(int)
+    for (_, device), lane in lanes(spans).items():
+        most[device] = max(most[device], lane + 1)
+    return dict(most)
+
+
+def peak_gpu_used(spans: list[Span]) -> dict[int, int]:
+    """The most bytes in use on each GPU at the end of a test, by every process on it."""
+    peak: dict[int, int] = defaultdict(int)
+    for span in spans:
+        for device, used in zip(span.devices, span.gpu_used, strict=False):
+            peak[device] = max(peak[device], used)
+    return dict(peak)
+
+
+def _sharing_lines(spans: list[Span]) -> list[str]:
+    lines = []
+    most = gangs_at_once(spans)
+    if any(count > 1 for count in most.values()):
+        shown = ", ".join(f"device {d}: {n}" for d, n in sorted(most.items()))
+        lines.append(f"most tests at once on a device: {shown}")
+    peak = peak_gpu_used(spans)
+    if peak:
+        shown = ", ".join(f"device {d} {b / 2**30:.1f} GiB" for d, b in sorted(peak.items()))
+        lines.append(f"peak GPU memory in use, every process (at test ends): {shown}")
+    return lines
 
 
 def _idle_lines(spans: list[Span], devices: tuple[int, ...]) -> list[str]:
