@@ -77,6 +77,11 @@ CASES = {
          "torch.distributed"],
         ["world_size(2) tests: needs 2 devices, 1 available", "one world_size(1) test each"],
     ),
+    "gangs_per_device": Case(
+        ["gangs_per_device.py", "--tests", "2", "--modules", "1", "--rounds", "1", "--min-s",
+         "0.01", "--max-s", "0.02", "--per-device", "2"],
+        ["left out: needs 2 devices, 1 available (cpu:1)", "-n auto, K=2"],
+    ),
     "coverage": Case(
         ["coverage.py", "--modes", "torchrun", "--nproc", "2", "--suite", "{tmp}/suite",
          "--source", "{tmp}/suite"],
