@@ -12,7 +12,6 @@ Run `python bench/gangs_per_device.py --help`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,11 +21,9 @@ from _util import (
     header_lines,
     left_out_line,
     machine,
-    progress,
     resolve_devices,
-    table,
 )
-from xdist_overhead import run_mode, write_suite
+from xdist_overhead import alternate, walls_table, write_suite
 
 WORLD_SIZE = 2
 
@@ -59,29 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     left_out = [] if world_size == WORLD_SIZE else [devices.shortfall(WORLD_SIZE)]
     info = machine()
     runs = modes([int(k) for k in args.per_device.split(",")])
-    walls: dict[str, list[float]] = {mode: [] for mode in runs}
     with tempfile.TemporaryDirectory(prefix="gangs-per-device-") as folder:
         sleeps = write_suite(Path(folder), args, world_size)
-        for round_number in range(args.rounds):
-            shift = round_number % len(runs)
-            for mode in list(runs)[shift:] + list(runs)[:shift]:
-                wall = run_mode(Path(folder), runs[mode], devices.plugin_options())
-                progress(f"round {round_number + 1}: {mode}: {wall:.2f} s")
-                walls[mode].append(wall)
-    serial = statistics.median(walls["serial"])
-    rows = [
-        [mode, *(f"{w:.2f}" for w in times), f"{statistics.median(times):.2f}"]
-        + [f"{serial / statistics.median(times):.2f}x"]
-        for mode, times in walls.items()
-    ]
-    headers = ["mode", *(f"run {i + 1}" for i in range(args.rounds)), "median", "speed-up"]
+        walls = alternate(Path(folder), runs, args.rounds, devices.plugin_options())
     print("\n".join(header_lines("xdist-megatron benchmark: gangs per device", info)))
     print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")
     print(f"          {sleeps:.1f} s of sleep in all ({args.min_s}-{args.max_s} s each)")
     print(f"devices : {devices.describe()}")
     print(left_out_line(left_out))
     print("\nWhole-process wall [s]; each round starts with the next mode; speed-up: serial / mode")
-    print(table(headers, rows))
+    print(walls_table(walls, "speed-up", lambda median, serial: serial / median))
     return 0
 
 

@@ -14,6 +14,7 @@ import random
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from _util import (
@@ -79,6 +80,35 @@ def run_mode(folder: Path, options: list[str], devices: list[str]) -> float:
     return wall
 
 
+def alternate(
+    folder: Path, runs: dict[str, list[str]], rounds: int, devices: list[str]
+) -> dict[str, list[float]]:
+    """Each mode's whole-process wall per round; each round starts with the next mode (the
+    machine is shared: no mode always runs first, on cold caches, or last)."""
+    walls: dict[str, list[float]] = {mode: [] for mode in runs}
+    for round_number in range(rounds):
+        shift = round_number % len(runs)
+        for mode in list(runs)[shift:] + list(runs)[:shift]:
+            wall = run_mode(folder, runs[mode], devices)
+            progress(f"round {round_number + 1}: {mode}: {wall:.2f} s")
+            walls[mode].append(wall)
+    return walls
+
+
+def walls_table(
+    walls: dict[str, list[float]], column: str, ratio: Callable[[float, float], float]
+) -> str:
+    """Each mode's runs, median, and `ratio(median, serial's median)` under `column`."""
+    serial = statistics.median(walls["serial"])
+    rows = []
+    for mode, times in walls.items():
+        median = statistics.median(times)
+        rows.append([mode, *(f"{w:.2f}" for w in times), f"{median:.2f}"])
+        rows[-1].append(f"{ratio(median, serial):.3f}x")
+    rounds = len(walls["serial"])
+    return table(["mode", *(f"run {i + 1}" for i in range(rounds)), "median", column], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     devices = resolve_devices(args.devices)
@@ -86,28 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()  # the load before the runs
     landed_auto = devices.count if not devices.is_cpu else os.cpu_count() or 1
     runs = modes(world_size, landed_auto)
-    walls: dict[str, list[float]] = {mode: [] for mode in runs}
     with tempfile.TemporaryDirectory(prefix="xdist-overhead-") as folder:
         sleeps = write_suite(Path(folder), args, world_size)
-        for round_number in range(args.rounds):
-            order = list(runs)[round_number % len(runs) :] + list(runs)[: round_number % len(runs)]
-            for mode in order:
-                wall = run_mode(Path(folder), runs[mode], devices.plugin_options())
-                progress(f"round {round_number + 1}: {mode}: {wall:.2f} s")
-                walls[mode].append(wall)
-    serial = statistics.median(walls["serial"])
-    rows = [
-        [mode, *(f"{w:.2f}" for w in times), f"{statistics.median(times):.2f}"]
-        + [f"{statistics.median(times) / serial:.3f}x"]
-        for mode, times in walls.items()
-    ]
-    headers = ["mode", *(f"run {i + 1}" for i in range(args.rounds)), "median", "vs serial"]
+        walls = alternate(Path(folder), runs, args.rounds, devices.plugin_options())
     print("\n".join(header_lines("xdist-megatron benchmark: xdist where one gang fits", info)))
     print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")
     print(f"          {sleeps:.1f} s of sleep in all ({args.min_s}-{args.max_s} s each)")
     print(f"devices : {devices.describe()}")
     print("\nWhole-process wall [s]; each round starts with the next mode")
-    print(table(headers, rows))
+    print(walls_table(walls, "vs serial", lambda median, serial: median / serial))
     return 0
 
 
