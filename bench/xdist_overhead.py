@@ -29,16 +29,20 @@ from _util import (
 )
 
 DIST = ["--dist", "megatron"]
+REMEMBERED = "-n auto, after a run"  # the pytest cache holds the last run's world sizes
 
 
 def modes(world_size: int, landed_auto: int) -> dict[str, list[str]]:
     """Serial; -n auto without and with the world sizes known before collection (only then can
-    it start no workers); and as many workers as -n auto started before it could."""
+    it start no workers): given, or remembered from the last run in the pytest cache
+    (`REMEMBERED`, the one mode that keeps a cache); and as many workers as -n auto started
+    before it could."""
     known = ["--megatron-world-sizes", str(world_size)]
     return {
         "serial": [],
         "-n auto": ["-n", "auto", *DIST],
         "-n auto, world sizes given": ["-n", "auto", *DIST, *known],
+        REMEMBERED: ["-n", "auto", *DIST],
         f"-n {landed_auto} (-n auto until now)": ["-n", str(landed_auto), *DIST],
     }
 
@@ -74,8 +78,10 @@ def write_suite(folder: Path, args: argparse.Namespace, world_size: int) -> floa
     return total
 
 
-def run_mode(folder: Path, options: list[str], devices: list[str]) -> float:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *devices, *options]
+def run_mode(folder: Path, options: list[str], devices: list[str], cache: bool = False) -> float:
+    """Whole-process wall of one run; without the pytest cache unless `cache`."""
+    no_cache = [] if cache else ["-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", "-q", *no_cache, *devices, *options]
     wall, _ = run_checked(command, str(folder), timeout=1800)
     return wall
 
@@ -89,7 +95,7 @@ def alternate(
     for round_number in range(rounds):
         shift = round_number % len(runs)
         for mode in list(runs)[shift:] + list(runs)[:shift]:
-            wall = run_mode(folder, runs[mode], devices)
+            wall = run_mode(folder, runs[mode], devices, cache=mode == REMEMBERED)
             progress(f"round {round_number + 1}: {mode}: {wall:.2f} s")
             walls[mode].append(wall)
     return walls
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = modes(world_size, landed_auto)
     with tempfile.TemporaryDirectory(prefix="xdist-overhead-") as folder:
         sleeps = write_suite(Path(folder), args, world_size)
+        run_mode(Path(folder), runs[REMEMBERED], devices.plugin_options(), cache=True)  # fills it
         walls = alternate(Path(folder), runs, args.rounds, devices.plugin_options())
     print("\n".join(header_lines("xdist-megatron benchmark: xdist where one gang fits", info)))
     print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")

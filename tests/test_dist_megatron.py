@@ -692,3 +692,31 @@ def test_workers_that_join_a_group_at_import_do_not_collide(pytester, run_pytest
     pytester.makepyfile(test_joins=JOINS_AT_IMPORT_SUITE)
     result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2")
     result.assert_outcomes(passed=4)
+
+
+PAIRS_SUITE = """
+import pytest
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("n", range(2))
+def test_pair(n, rank):
+    pass
+"""
+
+
+def test_n_auto_remembers_the_last_runs_world_sizes(pytester, run_pytest):
+    """On cpu:2 a first run cannot know that every test needs both slots: -n auto starts
+    workers. The pytest cache then holds the sizes, and the next -n auto runs serially and says
+    where it knows them from."""
+    pytester.makepyfile(test_pairs=PAIRS_SUITE)
+    options = ("-n", "auto", *DIST, "--megatron-devices", "cpu:2")
+    first = run_pytest(*options, cache=True)
+    first.assert_outcomes(passed=2)
+    first.stdout.no_fnmatch_line("*-n auto: the 2 device(s) fit one gang*")
+    second = run_pytest(*options, cache=True)
+    second.assert_outcomes(passed=2)
+    header = "*-n auto: the 2 device(s) fit one gang of 2 at a time*"
+    second.stdout.fnmatch_lines([header + "the last run's, in the pytest cache*"])
+    cleared = run_pytest(*options, "--cache-clear", cache=True)
+    cleared.stdout.no_fnmatch_line("*-n auto: the 2 device(s) fit one gang*")

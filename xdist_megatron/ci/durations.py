@@ -9,6 +9,7 @@ written (merged: this run's tests replace their entries, the others stay) with
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from ..protocol import write_json
 
 CACHE_KEY = "xdist_megatron/durations"
+SIZES_KEY = "xdist_megatron/world_sizes"  # the last run's (unmarked: 1), for -n auto
 FILE_VERSION = 1
 WORLD_SIZE_PROPERTY = "world_size"  # the user property a test's report carries its size in
 
@@ -114,6 +116,26 @@ def _cached(config: pytest.Config) -> dict[str, float]:
     return value if isinstance(value, dict) else {}
 
 
+def cached_world_sizes(config: pytest.Config) -> set[int]:
+    """The world sizes of the last run's tests, read from the pytest cache's folder before the
+    cache plugin has configured itself (`-n auto` is decided that early); none without a cache,
+    with --cache-clear, or when what is there is not a list of sizes."""
+    try:
+        folder = Path(os.path.expandvars(config.getini("cache_dir")))
+    except ValueError:  # -p no:cacheprovider: no such ini
+        return set()
+    if config.getoption("cacheclear", False):
+        return set()
+    path = (config.rootpath / folder) / "v" / SIZES_KEY
+    try:
+        sizes = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes):
+        return set()
+    return set(sizes)
+
+
 class DurationRecorder:
     """Adds up setup, call and teardown time per test and saves it at the end of the session:
     in the pytest cache, and in the durations file when asked to."""
@@ -136,6 +158,7 @@ class DurationRecorder:
         cache = getattr(self.config, "cache", None)
         if cache is not None:
             cache.set(CACHE_KEY, {**_cached(self.config), **self.measured})
+            cache.set(SIZES_KEY, sorted({self.sizes.get(n) or 1 for n in self.measured}))
         path = file_path(self.config)
         if path is not None and self.config.getoption("megatron_store_durations"):
             timings = {n: Timing(self.sizes.get(n), d) for n, d in self.measured.items()}

@@ -73,30 +73,33 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
         raise pytest.UsageError(str(exc)) from None
     per_device = gangs_per_device(config)
     workers = devices.count if devices.is_cuda else min(os.cpu_count() or 1, devices.count)
-    world_sizes = known_world_sizes(config)
+    world_sizes, known_from = known_world_sizes(config)
     if placement.gangs_at_once(devices.count, world_sizes, per_device) > 1:
         return workers * per_device
     smallest = min(world_sizes, default=1)
     config.stash[AUTO_SERIAL] = (
         f"-n auto: the {devices.count} device(s) fit one gang of {smallest} at a time, so the "
-        "tests run here, without xdist workers"
+        f"tests run here, without xdist workers (world sizes: {known_from})"
     )
     return 0
 
 
-def known_world_sizes(config: pytest.Config) -> set[int]:
+def known_world_sizes(config: pytest.Config) -> tuple[set[int], str]:
     """The world sizes this run's tests are known to have before collection: those
-    --megatron-world-sizes selects, else those of the durations file's tests (an unmarked test
-    is 1: it holds its worker's home device); none when neither says."""
+    --megatron-world-sizes selects, else those of the durations file's tests, else those the
+    last run's tests had (the pytest cache); an unmarked test is 1 (it holds its worker's home
+    device). None when nothing says. With the sizes: where they come from, for the header."""
     selected = selection.world_sizes(config)
     if selected:
-        return selected
+        return selected, "--megatron-world-sizes"
     path = durations.file_path(config)
+    if path is None:
+        return durations.cached_world_sizes(config), "the last run's, in the pytest cache"
     try:
-        timings = durations.read_file(path) if path is not None else {}
+        timings = durations.read_file(path)
     except (OSError, ValueError):  # pytest_configure says what is wrong with it
-        return set()
-    return {timing.world_size or 1 for timing in timings.values()}
+        return set(), "none"
+    return {timing.world_size or 1 for timing in timings.values()}, f"the durations file {path}"
 
 
 @pytest.hookimpl(optionalhook=True)
