@@ -521,9 +521,9 @@ import pytest
 def job(request):
     return request.node.nodeid
 
-@pytest.fixture(scope="session", autouse=True)
-def both_sessions_started():
-    # Hold no device here: wait until the other session has reached its tests too.
+def pytest_sessionstart(session):
+    # Before any test holds a device (a session fixture would wait inside the first test's job,
+    # holding its locks): every process of each session waits until the other session is here.
     folder = Path(os.environ["AUDIT_DIR"])
     (folder / f"started-{os.environ['AUDIT_SESSION']}").touch()
     deadline = time.monotonic() + 120
