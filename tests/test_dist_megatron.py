@@ -720,3 +720,26 @@ def test_n_auto_remembers_the_last_runs_world_sizes(pytester, run_pytest):
     second.stdout.fnmatch_lines([header + "the last run's, in the pytest cache*"])
     cleared = run_pytest(*options, "--cache-clear", cache=True)
     cleared.stdout.no_fnmatch_line("*-n auto: the 2 device(s) fit one gang*")
+
+
+OTHER_TESTS_ON_GW1_SUITE = """
+import os
+import pytest
+
+COUNT = 3 if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" else 4
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("n", range(COUNT))
+def test_counted(n, rank):
+    pass
+"""
+
+
+def test_a_worker_that_collects_other_tests_is_named_and_idle(pytester, run_pytest):
+    """A worker that collected fewer tests than another (a module failed to import there, say)
+    gets no work, and the terminal says so; the fuller collection's tests all run."""
+    pytester.makepyfile(test_other=OTHER_TESTS_ON_GW1_SUITE)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*gw1 collected other tests than gw0 (3 against 4)*"])

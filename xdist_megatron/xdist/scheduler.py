@@ -100,6 +100,7 @@ class MegatronScheduling:
         # order (parametrize over a set, under each process's hash seed), and xdist's messages
         # carry the worker's indices.
         self.local_index: dict[WorkerController, dict[str, int]] = {}
+        self.collected_by = ""  # the worker whose collection the scheduler's indices are
         self.estimates: dict[int, float] = {}  # seconds per test index: known, else typical
         self.world_sizes_sent: dict[WorkerController, set[int | None]] = {}  # each worker's gangs
         self.steal: Steal | None = None  # at most one request in flight, as in `worksteal`
@@ -140,7 +141,11 @@ class MegatronScheduling:
         collection = self.collections[node]
         if len(collection) != len(self.collection) or set(collection) != set(self.index_of):
             del self.collections[node]
-            self._log(f"{node.gateway.id} collected different tests; it gets no work")
+            self._say(
+                f"xdist-megatron: {node.gateway.id} collected other tests than "
+                f"{self.collected_by} ({len(collection)} against {len(self.collection)}): it "
+                "gets no work"
+            )
             return
         self.local_index[node] = {nodeid: i for i, nodeid in enumerate(collection)}
 
@@ -197,8 +202,14 @@ class MegatronScheduling:
     def schedule(self) -> None:
         assert self.collection_is_completed
         if self.collection is None:
-            collections = [c for n, c in self.collections.items() if n in self.pending]
-            self.collection = collections[0] if collections else []
+            # The most tests, of the lowest worker: where a module failed to import on some
+            # workers, those collected fewer.
+            live = sorted(
+                (n for n in self.collections if n in self.pending), key=self._worker_index
+            )
+            chosen = max(live, key=lambda n: len(self.collections[n]), default=None)
+            self.collection = self.collections[chosen] if chosen is not None else []
+            self.collected_by = chosen.gateway.id if chosen is not None else ""
             self.index_of = {nodeid: i for i, nodeid in enumerate(self.collection)}
             for node in [n for n in self.collections if n in self.pending]:
                 self._adopt(node)
@@ -517,6 +528,13 @@ class MegatronScheduling:
         node.send_runtest_some(self._to_local(node, indices))
         first = self._info(self.collection[indices[0]])
         self._log(f"{node.gateway.id}: {first.module} ws{first.world_size} x{len(indices)}")
+
+    def _say(self, message: str) -> None:
+        """A line in the terminal too: a worker left idle costs the run its share."""
+        self._log(message)
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter") if self.config else None
+        if reporter is not None:
+            reporter.write_line(message, yellow=True)
 
     def _log(self, message: str) -> None:
         if self.log is not None:
