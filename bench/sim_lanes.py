@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tests", type=int, default=60)
     parser.add_argument("--device-count", type=int, default=8, help="devices, default 8")
     parser.add_argument("--workers", type=int, default=8, help="xdist workers, default 8")
+    parser.add_argument(
+        "--gangs-per-device",
+        type=int,
+        default=1,
+        help="K slots per device (default 1); give --workers devices x K, as -n auto does",
+    )
     parser.add_argument("--gang-start", type=float, default=0.1, help="seconds (default 0.1)")
     parser.add_argument("--module-cost", type=float, default=0.05, help="seconds (default 0.05)")
     parser.add_argument("--before", default=BEFORE, help=f"git revision (default {BEFORE})")
@@ -81,9 +87,8 @@ def simulate_lanes(args: argparse.Namespace, variant: Variant, folder: str) -> d
     """Every lane under `variant`: the ratios to the ideal and what the runs did."""
     sim = simulator()
     costs = sim.Costs(gang_start=args.gang_start, module=args.module_cost)
-    devices: Any = args.device_count
-    if not variant.placed:
-        devices = sim.cpu_devices(args.device_count)
+    placed_for = args.workers if variant.placed else 0
+    devices = sim.cpu_devices(args.device_count, placed_for, args.gangs_per_device)
     ratios, starts, steals = [], [], []
     for seed in range(args.first_seed, args.first_seed + args.lanes):
         lane = sim.random_lane(seed, modules=args.modules, tests=args.tests)
@@ -128,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"lanes   : {args.lanes} (seeds {args.first_seed}-{args.first_seed + args.lanes - 1}), "
         f"{args.tests} tests in {args.modules} modules, ws1/2/4/8 drawn 4:3:2:1, 0.2-1.5 s; "
-        f"{args.device_count} devices, {args.workers} workers; gang start {args.gang_start} s, "
+        f"{args.device_count} devices x {args.gangs_per_device} gangs, {args.workers} workers; "
+        f"gang start {args.gang_start} s, "
         f"module {args.module_cost} s"
     )
-    print("ideal   : one gang start and module, then max(device-seconds / devices, longest test)")
+    print(
+        "ideal   : one gang start and module, then max(device-seconds / (devices x gangs), "
+        "longest test)"
+    )
     print(left_out_line(notes))
     print()
     print(table(headers, rows))
