@@ -17,13 +17,12 @@ import tempfile
 from pathlib import Path
 
 from _util import (
-    add_devices_option,
     header_lines,
     left_out_line,
     machine,
     resolve_devices,
 )
-from xdist_overhead import alternate, walls_table, write_suite
+from xdist_overhead import add_suite_options, alternate, walls_table, write_suite
 
 WORLD_SIZE = 2
 
@@ -38,14 +37,8 @@ def modes(per_device: list[int]) -> dict[str, list[str]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", type=int, default=32, help="tests in the suite (default 32)")
-    parser.add_argument("--modules", type=int, default=8, help="modules they are dealt to")
+    add_suite_options(parser, tests=32, modules=8)
     parser.add_argument("--per-device", default="1,4", help="the Ks to run (default 1,4)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the test durations")
-    parser.add_argument("--min-s", type=float, default=0.2, help="shortest test body, seconds")
-    parser.add_argument("--max-s", type=float, default=1.5, help="longest test body, seconds")
-    add_devices_option(parser)
     return parser.parse_args(argv)
 
 

@@ -47,15 +47,20 @@ def modes(world_size: int, landed_auto: int) -> dict[str, list[str]]:
     }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", type=int, default=24, help="tests in the suite (default 24)")
-    parser.add_argument("--modules", type=int, default=4, help="modules they are dealt to")
+def add_suite_options(parser: argparse.ArgumentParser, tests: int, modules: int) -> None:
+    """The generated suite's shape (`write_suite`), the rounds and the devices."""
+    parser.add_argument("--tests", type=int, default=tests, help=f"tests (default {tests})")
+    parser.add_argument("--modules", type=int, default=modules, help="modules they are dealt to")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the test durations")
     parser.add_argument("--min-s", type=float, default=0.2, help="shortest test body, seconds")
     parser.add_argument("--max-s", type=float, default=1.5, help="longest test body, seconds")
     add_devices_option(parser)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_suite_options(parser, tests=24, modules=4)
     return parser.parse_args(argv)
 
 
