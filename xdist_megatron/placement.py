@@ -30,6 +30,10 @@ class DeviceSet:
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
 
+    def slots_for(self, exclusive: bool) -> int:
+        """The slots of each of its devices a gang takes: one, or all for `exclusive_devices`."""
+        return self.gangs_per_device if exclusive else 1
+
     def lock_name(self, device: int) -> str:
         """The name of a device's lock: the physical GPU, or the CPU slot."""
         if not self.is_cuda:

@@ -54,7 +54,7 @@ class DeviceLocks:
         that cannot be taken at once is held."""
         held = 0
         for slot in range(self.slots):
-            fd = self._open(f"{name}.slot{slot}.lock")
+            fd = self._open(_slot_file(name, slot))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -64,13 +64,13 @@ class DeviceLocks:
         return held
 
     def _take(self, name: str, slot: int) -> int:
-        fd = self._open(f"{name}.slot{slot}.lock")
+        fd = self._open(_slot_file(name, slot))
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd
 
     def _take_any(self, name: str) -> int:
         """The first free slot of the device, waiting for one if all are taken."""
-        fds = [self._open(f"{name}.slot{slot}.lock") for slot in range(self.slots)]
+        fds = [self._open(_slot_file(name, slot)) for slot in range(self.slots)]
         try:
             while True:
                 for index, fd in enumerate(fds):
@@ -86,3 +86,7 @@ class DeviceLocks:
 
     def _open(self, file_name: str) -> int:
         return os.open(os.path.join(self.folder, file_name), os.O_RDWR | os.O_CREAT)
+
+
+def _slot_file(name: str, slot: int) -> str:
+    return f"{name}.slot{slot}.lock"

@@ -165,7 +165,7 @@ class Runtime:
     @functools.cached_property
     def locks(self) -> DeviceLocks:
         """The device locks every gang job and (under xdist) every unmarked test holds."""
-        return DeviceLocks(self.lock_dir, gangs_per_device(self.config))
+        return DeviceLocks(self.lock_dir, self.devices.gangs_per_device)
 
     @property
     def pool(self) -> GangPool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from .timeline import Span, lanes, makespan
+from .timeline import Span, lane_counts, lanes, makespan
 
 WIDTH, LEFT, ROW, TOP, BOTTOM = 760, 64, 18, 28, 44
 COLOURS = {None: "#b8b8b8", 1: "#4e79a7", 2: "#f28e2b", 4: "#59a14f", 8: "#e15759"}
@@ -20,8 +20,8 @@ def svg(spans: list[Span], devices: tuple[int, ...], title: str) -> str:
     first, last = makespan(spans)
     scale = (WIDTH - LEFT - 10) / max(last - first, 1e-6)
     lane_of = lanes(spans)
-    depth = {d: 1 + max((lane for (_, d2), lane in lane_of.items() if d2 == d), default=0)
-             for d in devices}  # fmt: skip
+    counts = lane_counts(lane_of)
+    depth = {device: counts.get(device, 1) for device in devices}
     rows = [(device, lane) for device in devices for lane in range(depth[device])]
     row_of = {row: index for index, row in enumerate(rows)}
     height = TOP + ROW * len(rows) + BOTTOM

@@ -103,8 +103,7 @@ def lanes(spans: list[Span]) -> dict[tuple[str, int], int]:
     for device, group in by_device.items():
         ends: list[float] = []  # when each lane is free again
         for span in sorted(group, key=lambda s: (s.start, s.end)):
-            free = [lane for lane, end in enumerate(ends) if end <= span.start]
-            lane = free[0] if free else len(ends)
+            lane = next((i for i, end in enumerate(ends) if end <= span.start), len(ends))
             ends[lane : lane + 1] = [span.end]
             lane_of[span.nodeid, device] = lane
     return lane_of
@@ -112,8 +111,13 @@ def lanes(spans: list[Span]) -> dict[tuple[str, int], int]:
 
 def gangs_at_once(spans: list[Span]) -> dict[int, int]:
     """The most tests that held each device at the same time."""
+    return lane_counts(lanes(spans))
+
+
+def lane_counts(lane_of: dict[tuple[str, int], int]) -> dict[int, int]:
+    """How many lanes each device of `lanes` has."""
     most: dict[int, int] = defaultdict(int)
-    for (_, device), lane in lanes(spans).items():
+    for (_, device), lane in lane_of.items():
         most[device] = max(most[device], lane + 1)
     return dict(most)
 

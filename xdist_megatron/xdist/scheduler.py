@@ -246,7 +246,7 @@ class MegatronScheduling:
     def _fits(self, busy: Counter[int], devices: Collection[int], exclusive: bool) -> bool:
         """Whether a gang fits `devices` beside the gangs `busy` counts on each: one more slot
         of each, or every slot for an exclusive one."""
-        need = self.devices.gangs_per_device if exclusive else 1
+        need = self.devices.slots_for(exclusive)
         return all(busy[d] + need <= self.devices.gangs_per_device for d in devices)
 
     def _load(self, worker: int, indices: Sequence[int]) -> Counter[int]:
@@ -255,7 +255,7 @@ class MegatronScheduling:
         load: Counter[int] = Counter()
         for index in indices:
             info = self._info(self.collection[index])
-            weight = self.devices.gangs_per_device if info.exclusive else 1
+            weight = self.devices.slots_for(info.exclusive)
             for device in self._devices_of(worker, info.world_size):
                 load[device] = max(load[device], weight)
         return load
@@ -372,7 +372,7 @@ class MegatronScheduling:
     ) -> list[frozenset[int]]:
         """Blocks of the unit's size whose workers are empty and fit no other queued unit, with
         a slot for a part of it beside the running work, `node`'s part and each other's."""
-        weight = self.devices.gangs_per_device if unit.exclusive else 1
+        weight = self.devices.slots_for(unit.exclusive)
         planned: Counter[int] = Counter(dict.fromkeys(devices, weight))
         blocks: list[frozenset[int]] = []
         for other in hungry:

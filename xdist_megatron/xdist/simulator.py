@@ -384,15 +384,11 @@ class SimWorker:
             for size in [s for s in self.gangs if s not in needed | {world_size}]:
                 del self.gangs[size]
 
-    def _slots(self) -> int:
-        """The slots of each device the running test needs."""
-        assert self.running is not None
-        exclusive = self.session.tests[self.running].exclusive
-        return self.session.devices.gangs_per_device if exclusive else 1
-
     def _take_locks(self) -> None:
+        assert self.running is not None
+        need = self.session.devices.slots_for(self.session.tests[self.running].exclusive)
         while self.wanted:
-            if not self.session.locks.take(self, self.wanted[0], self._slots()):
+            if not self.session.locks.take(self, self.wanted[0], need):
                 return
             self.held.append(self.wanted.pop(0))
         self._body()
@@ -419,7 +415,7 @@ class SimWorker:
         test = self.session.tests[index]
         now = self.session.clock.now
         self.session.spans.append(Span(test.nodeid, self.index, tuple(self.held), start, now))
-        need = self.session.devices.gangs_per_device if test.exclusive else 1
+        need = self.session.devices.slots_for(test.exclusive)
         for device in self.held:
             self.session.locks.release(device, need)
         self.held = []
