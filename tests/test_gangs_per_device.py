@@ -156,29 +156,27 @@ def meet(name, other, rank):
     record(name, start, rank)
 """
 
+
+def meeting_module(me: str, other: str) -> str:
+    """A module whose first test waits for module `other`'s to run beside it, then a short one."""
+    return (
+        XDIST_SUITE
+        + f"""
+@pytest.mark.world_size(2)
+def test_meet_{other}(rank):
+    meet("{me}", "{other}", rank)
+
+
+@pytest.mark.world_size(2)
+def test_short_{me}(rank):
+    record("short-{me}", time.time(), rank)
+"""
+    )
+
+
 XDIST_MODULES = {
-    "test_a": XDIST_SUITE
-    + """
-@pytest.mark.world_size(2)
-def test_meet_b(rank):
-    meet("a", "b", rank)
-
-
-@pytest.mark.world_size(2)
-def test_short_a(rank):
-    record("short-a", time.time(), rank)
-""",
-    "test_b": XDIST_SUITE
-    + """
-@pytest.mark.world_size(2)
-def test_meet_a(rank):
-    meet("b", "a", rank)
-
-
-@pytest.mark.world_size(2)
-def test_short_b(rank):
-    record("short-b", time.time(), rank)
-""",
+    "test_a": meeting_module("a", "b"),
+    "test_b": meeting_module("b", "a"),
     "test_c": XDIST_SUITE
     + """
 @pytest.mark.world_size(2)
