@@ -450,14 +450,19 @@ def rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 f"{r['test_phase']:.2f}",
                 str(r["gang_starts"]),
                 outcome,
-                f"{r['wall'] / ideal['wall']:.2f}",
-                f"{r['test_phase'] / ideal['test_phase']:.2f}",
-                f"{base_wall / r['wall']:.2f}",
-                f"{base_phase / r['test_phase']:.2f}",
+                ratio(r["wall"], ideal["wall"]),
+                ratio(r["test_phase"], ideal["test_phase"]),
+                ratio(base_wall, r["wall"]),
+                ratio(base_phase, r["test_phase"]),
                 f"{r['host_peak_gib']:.2f}" if "host_peak_gib" in r else "-",
             ]
         )
     return table_rows
+
+
+def ratio(numerator: float, denominator: float) -> str:
+    """A table cell: "-" where a run that ran no test leaves nothing to divide by."""
+    return f"{numerator / denominator:.2f}" if denominator else "-"
 
 
 HEADERS = [

@@ -244,6 +244,16 @@ def tagged(tag: str) -> list[int]:
     return pids
 
 
+def describe(pids: list[int]) -> str:
+    """pid and command line of each process, as far as /proc still has them."""
+    lines = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            lines.append(f"{pid} {command.decode(errors='replace').strip()[:160]}")
+    return "; ".join(lines) or "none left by now"
+
+
 def alive(proc: subprocess.Popen, tag: str) -> bool:
     """Whether the run's leader, its process group or a tagged process is still there."""
     if proc.poll() is None:  # polling also reaps the leader: a zombie would keep its group
@@ -302,6 +312,7 @@ def execute(run: Run, cwd: Path, cap: float) -> None:
     run.returncode = proc.returncode
     run.leftovers = not wait_gone(proc, tag, 3.0)
     if run.leftovers:
+        progress(f"{run.name}: still alive 3 s after the run: {describe(tagged(tag))}")
         stop_run(proc, tag, KILL_GRACE)
     state = f"run lost, killed at the {cap:g} s cap" if run.killed else f"exit {proc.returncode}"
     progress(f"{run.name}: {state} after {run.wall:.1f} s, log {run.log}")

@@ -140,6 +140,45 @@ def test_passing_session_imports_lazily_and_leaves_nothing(pytester, run_pytest,
     assert_gone(gang_pids(facts))
 
 
+SPAWNS_HELPERS = """
+import multiprocessing
+import time
+
+import pytest
+from facts import record
+
+HELPERS = []  # alive past the test, as a persistent checkpoint writer or a server would be
+
+
+def serve_forever(ready):
+    record("helpers")
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.mark.world_size(2)
+def test_starts_helpers(rank):
+    context = multiprocessing.get_context("spawn")
+    for daemon in (True, False):
+        ready = context.Event()
+        helper = context.Process(target=serve_forever, args=(ready,), daemon=daemon)
+        helper.start()
+        assert ready.wait(60), "the helper did not start"
+        HELPERS.append(helper)
+"""
+
+
+def test_processes_a_test_leaves_running_end_with_its_rank(pytester, run_pytest, facts_dir):
+    """A rank ends the multiprocessing children its tests left, as a torchrun rank's normal exit
+    would (the daemonic ones terminated; the others, which an interpreter would wait for, after
+    a grace period), and with them their resource tracker (run_pytest finds no tagged process)."""
+    pytester.makepyfile(test_helpers=SPAWNS_HELPERS)
+    run_pytest().assert_outcomes(passed=1)
+    helpers = [fact["pid"] for fact in read_facts(facts_dir, "helpers")]
+    assert len(helpers) == 4
+    assert_gone(helpers)
+
+
 def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):
     """Invariant 4: importing the rank entry point, from a folder holding a conftest and test
     modules, pulls in neither."""

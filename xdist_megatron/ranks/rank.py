@@ -43,6 +43,7 @@ from .capture import FdCapture, capture_prefix
 STACK_SIGNAL = signal.SIGUSR1
 ENV_RENDEZVOUS_PREFIX = "default_pg/"  # where init_process_group("env://") puts its keys
 _WATCH_INTERVAL = 0.5
+_CHILD_GRACE = 2.0  # s a rank's exit waits for the non-daemonic children its tests left
 
 _info: RankInfo | None = None
 _store: Any = None  # this rank's client of the driver's store
@@ -88,13 +89,34 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
         try:
             job = conn.recv()
         except EOFError:
+            _end_children()
             return 0
         if isinstance(job, ShutdownJob):
             runner.finish()
+            _end_children()
             rank_coverage.publish()
             _leave_process_group()
             return 0
         runner.run(job)
+
+
+def _end_children() -> None:
+    """What an interpreter's exit does and this rank's os._exit skips (a torchrun rank exits
+    normally): the multiprocessing children its tests left (an async checkpoint writer, a
+    server) end with it, the daemonic ones terminated, the others after _CHILD_GRACE s of wait
+    (an interpreter would wait for ever; the driver kills a rank that takes 5 s)."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        if child.daemon:
+            child.terminate()
+    deadline = time.monotonic() + _CHILD_GRACE
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.exitcode is None:
+            child.kill()
+            child.join(1.0)
 
 
 def _join_process_group(spec: RankSpec) -> None:
