@@ -137,6 +137,8 @@ class Run:
     command: list[str]
     returncode: int | None = None
     wall: float = 0.0
+    launched: float = 0.0  # time.time() as it started, for the run report's times
+    phases: dict[str, float] = field(default_factory=dict)  # plugin runs: see phases_table
     killed: bool = False  # past its cap: the process group was killed ("run lost")
     leftovers: bool = False  # processes of the run were still alive after it exited
     gpu_peak: int | None = None  # bytes in use on the visible GPUs at the most (None: no GPU)
@@ -295,7 +297,7 @@ def execute(run: Run, cwd: Path, cap: float) -> None:
     tag = f"{os.getpid()}-{run.name}-{time.time_ns()}"
     env = {**os.environ, **run.env, "PYTHONUNBUFFERED": "1", RUN_TAG: tag}
     with open(run.log, "w") as log:
-        started = time.monotonic()
+        started, run.launched = time.monotonic(), time.time()
         proc = subprocess.Popen(
             run.command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -448,11 +450,31 @@ def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: 
     options = ["--megatron-world-size", str(plan.nproc), *plan.devices.plugin_options()]
     options += [*extra, *plan.plugin_args]
     options += plan.pytest_args
+    timeline = plan.out / f"{name}-report.json"
+    options.append(f"--megatron-report={timeline}")
     run = Run(name, pytest_command(testdir, junit, options), expected=expected,
               log=str(plan.out / f"{name}.log"))  # fmt: skip
     execute(run, plan.cwd, plan.cap)
     read_results(run, junit, None)
+    run.phases = phases(run, timeline)
     return run
+
+
+def phases(run: Run, timeline: Path) -> dict[str, float]:
+    """Where a plugin run's wall time went, from its run report (the tests' start and end as
+    the drivers stamped them): before the first test, the tests, after the last."""
+    try:
+        spans = json.loads(timeline.read_text())["tests"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    if not spans:
+        return {}
+    first, last = min(s["start"] for s in spans), max(s["end"] for s in spans)
+    return {
+        "to first test": first - run.launched,
+        "tests": last - first,
+        "after last test": run.launched + run.wall - last,
+    }
 
 
 def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Run]:
@@ -541,6 +563,16 @@ def summary_table(runs: list[Run]) -> str:
     return table(headers, rows)
 
 
+def phases_table(runs: list[Run]) -> str:
+    """For the plugin's runs: launch to the first test's start (start-up, workers' collection),
+    the first test's start to the last one's end, and from there to the exit."""
+    timed = [run for run in runs if run.phases]
+    names = list(timed[0].phases) if timed else []
+    rows = [[run.name, f"{run.wall:.1f}", *(f"{run.phases[n]:.1f}" for n in names)]
+            for run in timed]  # fmt: skip
+    return table(["run", "wall s", *(f"{name} s" for name in names)], rows)
+
+
 def rounds_table(runs: list[Run]) -> str:
     """Each timed mode's wall time per round, its median, and the median against torchrun's."""
     walls: dict[str, list[float]] = {}
@@ -577,6 +609,8 @@ def differences_table(runs: list[Run], limit: int) -> str:
 def report(runs: list[Run], limit: int) -> None:
     """The summary, the differences between the ordinary runs, then between the faults runs."""
     print(summary_table(runs))
+    if any(run.phases for run in runs):
+        print(f"\nwhere the plugin's wall time went\n{phases_table(runs)}")
     if any("#" in run.name for run in runs):
         print(f"\nwall time (s) per round\n{rounds_table(runs)}")
     for run in runs:

@@ -1,16 +1,18 @@
 """Replay a recorded run: what `-n D --dist megatron` would take on D = 1, 2, 4 and 8 devices.
 
 Reads a run's junit XML (`--junitxml`: the plugin writes each marked test's world size into its
-properties) or a durations file (`--megatron-durations PATH --megatron-store-durations`), and
-prints, for each D, against the same tests:
+properties), a durations file (`--megatron-durations PATH --megatron-store-durations`) or one run
+of a `bench/real_suite.py --json` file (`--run NAME`; every test at its `--nproc`), and prints,
+for each D, against the same tests:
 
 - serial: the sum of the durations (the plugin without xdist: one test after another);
 - torchrun: one `torchrun --nproc-per-node N -m pytest` session per world size N, one after
   another, each running its bucket's tests in turn on N devices (unmarked tests go with N = 1):
   the same sum, plus `--session-start` seconds for each session's processes to start;
 - megatron: the makespan of the package's simulator (xdist_megatron/xdist/simulator.py: the real
-  `MegatronScheduling`, D fake xdist workers as `-n auto` starts, a clock);
-- the ideal bound: max(device-seconds / D, longest test).
+  `MegatronScheduling`, D x K fake xdist workers as `-n auto` starts with `--gangs-per-device K`,
+  a clock), told the durations (a run after one that stored them) or, with `--first-run`, none;
+- the ideal bound: max(device-seconds / (D x K), longest test).
 
 What the lane would gain on hardware the project cannot borrow yet. A recorded duration is the
 test's setup, call and teardown, so it already holds the recorded run's gang starts and module
@@ -37,7 +39,10 @@ DEVICE_COUNTS = (1, 2, 4, 8)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("record", help="a junit XML file, or a durations file (JSON)")
+    parser.add_argument(
+        "record", help="a junit XML file, a durations file or a real_suite.py JSON file"
+    )
+    parser.add_argument("--run", help="the run of a real_suite.py JSON file (default its first)")
     parser.add_argument(
         "--device-counts",
         default=",".join(map(str, DEVICE_COUNTS)),
@@ -61,6 +66,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="seconds for a torchrun session's ranks to start and import (default 0)",
     )
+    parser.add_argument(
+        "--gangs-per-device",
+        type=int,
+        default=1,
+        metavar="K",
+        help="--megatron-gangs-per-device of the simulated runs (default 1)",
+    )
+    parser.add_argument(
+        "--first-run",
+        action="store_true",
+        help="the scheduler knows no durations (a first run, or one without the pytest cache)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the numbers to PATH as JSON")
     return parser.parse_args(argv)
 
@@ -68,12 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- reading a record -----------------------------------------------------------------------------
 
 
-def read_record(path: Path) -> list[Any]:
+def read_record(path: Path, run: str | None = None) -> list[Any]:
     """The recorded tests as the simulator's SimTests, in the record's order."""
     text = path.read_text()
     if text.lstrip().startswith("<"):
         return from_junit(ElementTree.fromstring(text))
-    return from_durations(json.loads(text))
+    data = json.loads(text)
+    if isinstance(data, dict) and "runs" in data:
+        return from_real_suite(data, run)
+    return from_durations(data)
 
 
 def from_junit(root: ElementTree.Element) -> list[Any]:
@@ -114,6 +134,20 @@ def from_durations(data: dict) -> list[Any]:
     ]
 
 
+def from_real_suite(data: dict, run: str | None) -> list[Any]:
+    """One run of a real_suite.py JSON file: its tests (junit keys) at the file's --nproc."""
+    runs = {entry["name"]: entry for entry in data["runs"]}
+    name = run or next(iter(runs), None)
+    if name not in runs:
+        raise SystemExit(f"no run {name!r} in the file; it has {', '.join(runs) or 'none'}")
+    sim = simulator()
+    size = data["arguments"]["nproc"]
+    return [
+        sim.SimTest(key, module_of_classname(key.split("::")[0]), size, result["seconds"])
+        for key, result in runs[name]["tests"].items()
+    ]
+
+
 # -- the figures ----------------------------------------------------------------------------------
 
 
@@ -123,11 +157,16 @@ def torchrun_buckets(tests: list[Any], session_start: float) -> float:
     return sum(test.duration for test in tests) + session_start * len(buckets)
 
 
-def replay(tests: list[Any], count: int, costs: Any, session_start: float) -> dict[str, Any]:
-    """The figures on `count` devices for the tests that fit them."""
+def replay(
+    tests: list[Any], count: int, costs: Any, session_start: float, slots: int, first_run: bool
+) -> dict[str, Any]:
+    """The figures on `count` devices, `slots` gangs per device, for the tests that fit them."""
     sim = simulator()
     fitting = [t for t in tests if (t.world_size or 1) <= count]
-    result = sim.simulate(fitting, count, count, costs) if fitting else None
+    workers = count * slots
+    devices = sim.cpu_devices(count, workers, slots)
+    known = {} if first_run else None
+    result = sim.simulate(fitting, devices, workers, costs, known) if fitting else None
     serial = sum(t.duration for t in fitting)
     megatron = result.makespan if result else 0.0
     return {
@@ -196,12 +235,15 @@ def left_out(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sim = simulator()
-    tests = read_record(Path(args.record))
+    tests = read_record(Path(args.record), args.run)
     if not tests:
         raise SystemExit(f"{args.record}: no tests recorded")
     counts = [int(part) for part in args.device_counts.split(",")]
     costs = sim.Costs(gang_start=args.gang_start, module=args.module_cost)
-    rows = [replay(tests, count, costs, args.session_start) for count in counts]
+    rows = [
+        replay(tests, count, costs, args.session_start, args.gangs_per_device, args.first_run)
+        for count in counts
+    ]
     sizes = Counter(t.world_size or 0 for t in tests)
     mix = ", ".join(f"ws{s} x{n}" if s else f"unmarked x{n}" for s, n in sorted(sizes.items()))
     for line in header_lines("Replay of a recorded run under --dist megatron", machine()):
@@ -211,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         f"costs   : gang start {args.gang_start} s, module {args.module_cost} s (simulated); "
         f"torchrun session start {args.session_start} s"
     )
+    known = "none (a first run)" if args.first_run else "the recorded ones (a later run)"
+    print(f"schedule: {args.gangs_per_device} gang(s) per device; durations known: {known}")
     print(left_out(rows))
     print()
     print(report(rows))

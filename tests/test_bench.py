@@ -91,7 +91,8 @@ CASES = {
         ["real_suite.py", "suite", "--nproc", "2", "--modes", "serial,faults", "--out",
          "{tmp}/out"],
         ["--nproc 2: needs 2 devices, 1 available (cpu:1); ran 1",
-         "faults: needs 2 ranks (rank 1 crashes or hangs), 1 running"],
+         "faults: needs 2 ranks (rank 1 crashes or hangs), 1 running",
+         "where the plugin's wall time went", "to first test s"],
     ),
 }  # fmt: skip
 
@@ -187,6 +188,26 @@ def test_replay_of_a_durations_file(tmp_path: Path) -> None:
     replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--device-counts", "2,4"]
     done = run(replay, tmp_path)
     assert_ran_and_said(done, ["left out: nothing", "4 tests (ws2 x4)"])
+
+
+def test_replay_of_a_real_suite_run_with_gangs_sharing_a_device(tmp_path: Path) -> None:
+    """One run of a bench/real_suite.py JSON file, replayed on one device with K = 4 gangs on
+    it: four tests at once, with the durations known and without them."""
+    tests = {f"tests.test_{m}.TestX::t{i}": {"outcome": "passed", "seconds": 1.0}
+             for m in "ab" for i in range(4)}  # fmt: skip
+    runs = [{"name": "serial", "tests": tests}, {"name": "other", "tests": {}}]
+    record = tmp_path / "suite.json"
+    record.write_text(json.dumps({"arguments": {"nproc": 1}, "runs": runs}))
+    for first_run in ([], ["--first-run"]):
+        replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--run", "serial",
+                  "--device-counts", "1", "--gangs-per-device", "4", "--json", "out.json",
+                  *first_run]  # fmt: skip
+        done = run(replay, tmp_path)
+        assert_ran_and_said(done, ["8 tests (ws1 x8)", "schedule: 4 gang(s) per device"])
+        (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+        assert row["serial"] == pytest.approx(8.0)
+        assert row["ideal"] == pytest.approx(2.0)
+        assert row["megatron"] < 8.0 * 0.75, row
 
 
 def test_sim_lanes_prints_today_against_before(tmp_path: Path) -> None:
