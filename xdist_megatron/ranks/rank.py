@@ -102,7 +102,7 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
 
 def _end_children() -> None:
     """What an interpreter's exit does and this rank's os._exit skips (a torchrun rank exits
-    normally): the multiprocessing children its tests left (an async checkpoint writer, a
+    normally): the multiprocessing children its tests left (a background writer, a
     server) end with it, the daemonic ones terminated, the others after _CHILD_GRACE s of wait
     (an interpreter would wait for ever; the driver kills a rank that takes 5 s)."""
     import multiprocessing
