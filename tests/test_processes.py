@@ -141,7 +141,9 @@ def test_passing_session_imports_lazily_and_leaves_nothing(pytester, run_pytest,
 
 
 SPAWNS_HELPERS = """
+import atexit
 import multiprocessing
+import multiprocessing.managers
 import time
 
 import pytest
@@ -156,6 +158,11 @@ def serve_forever(ready):
     time.sleep(600)
 
 
+def say_how_the_manager_ends():
+    record("helpers")
+    atexit.register(record, "manager_exits")  # runs on a shutdown, not on a kill
+
+
 @pytest.mark.world_size(2)
 def test_starts_helpers(rank):
     context = multiprocessing.get_context("spawn")
@@ -165,18 +172,23 @@ def test_starts_helpers(rank):
         helper.start()
         assert ready.wait(60), "the helper did not start"
         HELPERS.append(helper)
+    manager = multiprocessing.managers.SyncManager(ctx=context)
+    manager.start(say_how_the_manager_ends)
+    HELPERS.append(manager)
 """
 
 
 def test_processes_a_test_leaves_running_end_with_its_rank(pytester, run_pytest, facts_dir):
     """A rank ends the multiprocessing children its tests left, as a torchrun rank's normal exit
-    would (the daemonic ones terminated; the others, which an interpreter would wait for, after
-    a grace period), and with them their resource tracker (run_pytest finds no tagged process)."""
+    would: a manager is shut down (its process exits, it is not killed), a daemonic child is
+    terminated, and one an interpreter would wait for is killed after a grace period; with them
+    goes their resource tracker (run_pytest finds no tagged process)."""
     pytester.makepyfile(test_helpers=SPAWNS_HELPERS)
     run_pytest().assert_outcomes(passed=1)
     helpers = [fact["pid"] for fact in read_facts(facts_dir, "helpers")]
-    assert len(helpers) == 4
+    assert len(helpers) == 6
     assert_gone(helpers)
+    assert len(read_facts(facts_dir, "manager_exits")) == 2
 
 
 def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):

@@ -102,11 +102,14 @@ def run_rank(spec: RankSpec, sock_fd: int) -> int:
 
 def _end_children() -> None:
     """What an interpreter's exit does and this rank's os._exit skips (a torchrun rank exits
-    normally): the multiprocessing children its tests left (a background writer, a
-    server) end with it, the daemonic ones terminated, the others after _CHILD_GRACE s of wait
-    (an interpreter would wait for ever; the driver kills a rank that takes 5 s)."""
+    normally): multiprocessing's exit finalizers run (managers and pools shut down), then the
+    children its tests left (a background writer, a server) end, the daemonic ones terminated,
+    the others after _CHILD_GRACE s of wait (an interpreter would wait for ever; the driver kills
+    a rank that takes 5 s)."""
     import multiprocessing
+    from multiprocessing import util
 
+    util._run_finalizers(0)  # the exit's own first step (util._exit_function), priority >= 0
     children = multiprocessing.active_children()
     for child in children:
         if child.daemon:
