@@ -38,21 +38,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.world_size(sizes[0]))
 
 
-@pytest.fixture
-def dist_workers(gang: Any) -> GangPool:
-    return GangPool(gang)
+def _pool_fixture(name: str) -> Any:
+    """A function-scoped fixture `name`: the pool on the test's gang (the pool's were per module;
+    the gang outlives the test anyway)."""
+
+    @pytest.fixture(name=name)
+    def pool(gang: Any) -> GangPool:
+        return GangPool(gang)
+
+    return pool
 
 
-@pytest.fixture
-def dist_workers_size_1(gang: Any) -> GangPool:
-    return GangPool(gang)
-
-
-@pytest.fixture
-def dist_workers_size_2(gang: Any) -> GangPool:
-    return GangPool(gang)
-
-
-@pytest.fixture
-def dist_workers_size_4(gang: Any) -> GangPool:
-    return GangPool(gang)
+dist_workers = _pool_fixture("dist_workers")
+dist_workers_size_1 = _pool_fixture("dist_workers_size_1")
+dist_workers_size_2 = _pool_fixture("dist_workers_size_2")
+dist_workers_size_4 = _pool_fixture("dist_workers_size_4")
