@@ -68,6 +68,12 @@ def summarize(samples: list[float]) -> dict[str, float | int | list[float]]:
     }
 
 
+def ratio(numerator: float, denominator: float) -> str:
+    """A table cell of two decimals; "-" where there is nothing to divide by (a run that ran no
+    test, a row with nothing recorded)."""
+    return f"{numerator / denominator:.2f}" if denominator > 0 else "-"
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """Plain-text table: first column left-aligned, the others (numbers) right-aligned."""
     widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]

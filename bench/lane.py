@@ -60,6 +60,7 @@ from _util import (
     header_lines,
     importable,
     machine,
+    ratio,
     resolve_devices,
     table,
     write_json,
@@ -458,11 +459,6 @@ def rows(results: list[dict[str, Any]]) -> list[list[str]]:
             ]
         )
     return table_rows
-
-
-def ratio(numerator: float, denominator: float) -> str:
-    """A table cell: "-" where a run that ran no test leaves nothing to divide by."""
-    return f"{numerator / denominator:.2f}" if denominator else "-"
 
 
 HEADERS = [

@@ -31,7 +31,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _util import header_lines, left_out_line, machine, simulator, table, write_json
+from _util import (
+    header_lines,
+    left_out_line,
+    machine,
+    ratio,
+    simulator,
+    table,
+    write_json,
+)
 
 WORLD_SIZE_PROPERTY = "world_size"  # what report/run_facts.py names it in the junit properties
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -185,10 +193,6 @@ def replay(
 def seconds(value: float) -> str:
     """Two decimals, sums that differ only in the float rounding of their order shown alike."""
     return f"{value + 1e-9:.2f}"
-
-
-def ratio(numerator: float, denominator: float) -> str:
-    return f"{numerator / denominator:.2f}" if denominator > 0 else "-"
 
 
 def report(rows: list[dict[str, Any]]) -> str:
