@@ -1,6 +1,10 @@
-"""Transformer Engine's global state, reset between the tests of a gang (ranks/isolation.py):
-each test here fails when the matching reset is removed. Needs TE and a GPU: skipped elsewhere
-(TE installs only on the lent H200, `../shared/te/README.md`). Not yet run on a GPU with TE."""
+"""Transformer Engine's global state, reset between the tests of a gang (ranks/isolation.py).
+
+Each pair of generated tests leaves one piece of TE's state changed in its first test and looks
+for it in the second. Every pair runs twice: with the plugin's reset, where the second test must
+pass, and with that one reset removed in the ranks (a conftest of the generated suite), where it
+must fail: so each test here is seen to fail when its reset goes. Needs TE and a GPU: skipped
+elsewhere (TE installs only on the lent H200, `../shared/te/README.md`)."""
 
 from __future__ import annotations
 
@@ -24,28 +28,65 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 1 or not transformer_engine(), reason="needs a GPU and TE"
 )
 
-FP8_LEFT_ON = """
+FP8_STATE = """
 import pytest
-import transformer_engine.pytorch as te
+import torch
 
 try:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-except ImportError:
+except ImportError:  # TE before 2.8
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
 
+def fp8_state():
+    # TE 2.8+ keeps it on an instance, older TE on the class.
+    return getattr(FP8GlobalStateManager, "quantization_state", FP8GlobalStateManager)
+"""
+
+FP8_LEFT_ON = (
+    FP8_STATE
+    + """
+
 @pytest.mark.world_size(1)
 def test_leaves_fp8_autocast_entered(device):
-    # What an fp8_autocast left by an exception before its exit leaves: FP8 on, for every
-    # later module of the process.
-    FP8GlobalStateManager.fp8_autocast_enter(enabled=True)
+    # What an autocast left by an exception before its exit leaves: FP8 on for every later
+    # module of the process.
+    enter = getattr(FP8GlobalStateManager, "autocast_enter", None)
+    (enter or FP8GlobalStateManager.fp8_autocast_enter)(enabled=True)
     assert FP8GlobalStateManager.is_fp8_enabled()
 
 
 @pytest.mark.world_size(1)
 def test_the_next_test_starts_without_fp8(device):
     assert not FP8GlobalStateManager.is_fp8_enabled()
+    assert fp8_state().autocast_depth == 0
 """
+)
+
+AMAX_BUFFERS = (
+    FP8_STATE
+    + """
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+
+
+@pytest.mark.world_size(1)
+def test_registers_amax_buffers(device):
+    # Delayed scaling: each module's amax history joins global buffers kept for the reduction
+    # at the autocast's exit; they outlive the module.
+    layer = te.Linear(64, 64, device=device)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+        layer(torch.randn(32, 64, device=device)).sum().backward()
+    assert fp8_state().global_amax_buffer
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_starts_with_no_amax_buffers(device):
+    state = fp8_state()
+    assert not state.global_amax_buffer and not state.global_amax_history_buffer
+    assert not state.autocast_arguments
+"""
+)
 
 ATTENTION_BACKEND_CACHED = """
 import importlib
@@ -71,6 +112,7 @@ def backends():
 
 @pytest.mark.world_size(1)
 def test_caches_a_backend_choice(device):
+    # A choice made under this test's NVTE_* variables, kept for the same attention parameters.
     backends()["backend_selection_requires_update"] = False
 
 
@@ -79,16 +121,76 @@ def test_the_next_test_chooses_again(device):
     assert backends()["backend_selection_requires_update"] is True
 """
 
+# A conftest that removes one reset in the ranks: the pair must then fail.
+WITHOUT = """
+import xdist_megatron.ranks.isolation as isolation
 
-@pytest.mark.parametrize(
-    "suite", [FP8_LEFT_ON, ATTENTION_BACKEND_CACHED], ids=["fp8-state", "attention-backend"]
-)
-def test_transformer_engine_state_is_reset_between_tests(pytester, run_pytest, suite) -> None:
+isolation.{name} = ()
+"""
+
+PAIRS = {
+    "fp8-autocast": (FP8_LEFT_ON, "_TE_FP8_STATE_MODULES"),
+    "amax-buffers": (AMAX_BUFFERS, "_TE_FP8_STATE_MODULES"),
+    "attention-backend": (ATTENTION_BACKEND_CACHED, "_TE_ATTENTION_MODULES"),
+}
+
+
+@pytest.mark.parametrize("reset", ["kept", "removed"])
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_transformer_engine_state_is_reset_between_tests(
+    pytester: pytest.Pytester, run_pytest, pair: str, reset: str
+) -> None:
+    suite, reset_name = PAIRS[pair]
     pytester.makepyfile(test_te_state=suite)
+    if reset == "removed":
+        pytester.makeconftest(WITHOUT.format(name=reset_name))
     result = run_pytest("-rA", gpus=True)
     print(result.stdout.str())
     outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, outcomes
+    assert outcomes.get("errors", 0) == 0, outcomes
+    expected_failures = 1 if reset == "removed" else 0
+    assert outcomes.get("failed", 0) == expected_failures, outcomes
+    assert outcomes.get("passed", 0) == 2 - expected_failures, outcomes
+
+
+TE_AT_IMPORT_CONFTEST = """
+import sys
+
+# Imported by each rank before its test modules: TE is here already only if the zygote had it.
+FROM_ZYGOTE = "transformer_engine.pytorch" in sys.modules
+"""
+
+TE_AT_IMPORT_SUITE = """
+import conftest
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("step", range(3))
+def test_fp8_linear(device, step):
+    where = "zygote" if conftest.FROM_ZYGOTE else "rank"
+    print("transformer_engine.pytorch imported by the", where)
+    layer = te.Linear(256, 256, device=device)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+        layer(torch.randn(32, 256, device=device)).sum().backward()
+"""
+
+
+def test_a_suite_that_imports_transformer_engine_runs_on_gangs(
+    pytester: pytest.Pytester, run_pytest
+) -> None:
+    """The driver imports TE when it collects the module, so the zygote follows (unless TE
+    initialised CUDA at import: then each rank imports it). Either way fp8 layers run on the
+    gang; the output says which, and what the first test cost."""
+    pytester.makeconftest(TE_AT_IMPORT_CONFTEST)
+    pytester.makepyfile(test_te_at_import=TE_AT_IMPORT_SUITE)
+    result = run_pytest("-s", "-v", "--durations=0", "--megatron-timeout", "300", gpus=True)
+    print(result.stdout.str())
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*transformer_engine.pytorch imported by the*"])
 
 
 def test_what_importing_transformer_engine_does_to_cuda() -> None:
@@ -100,5 +202,5 @@ def test_what_importing_transformer_engine_does_to_cuda() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    initialised, seconds = done.stdout.split()
+    initialised, seconds = done.stdout.split()[-2:]
     print(f"import transformer_engine.pytorch: CUDA initialised {initialised}, {seconds} s")

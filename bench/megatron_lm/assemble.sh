@@ -37,6 +37,6 @@ fi
 for part in training rl legacy post_training; do
     git --git-dir "$GIT_DIR" archive "$TAG" "megatron/$part" | tar -x -C "$OUT/site"
 done
-cp "$HERE"/{conftest.py,pytest.ini,setup_device.sh,step_times.py,run_whole.sh} "$OUT/"
+cp "$HERE"/{conftest.py,pytest.ini,setup_device.sh,step_times.py,run_whole.sh,te_files.txt} "$OUT/"
 for wheel in "$@"; do cp "$wheel" "$OUT/wheels/"; done
 echo "$OUT: $(find "$OUT/tests" -name 'test_*.py' | wc -l) test files, $(du -sh "$OUT" | cut -f1)"

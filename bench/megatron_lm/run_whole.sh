@@ -5,6 +5,9 @@
 # e.g. `... run_whole.sh k torchrun,serial,xdist,xdist-k2,xdist-k4,xdist-k8`. It sets up once per
 # machine (setup_device.sh), deselects test_oom_is_handled (it fills 60% of the GPU, then the host:
 # the kernel kills the rank) and keeps going past the modules that cannot import here.
+# With TESTS=FILE only the test paths FILE lists run (te_files.txt: the TE set); a PYTHONPATH
+# already set (Transformer Engine's /tmp/site) stays, after the suite's own.
+# The logs and junit files come back as one archive, runs-NAME.tgz (8 files come back at most).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 NAME=$1 MODES=$2; shift 2
@@ -12,8 +15,13 @@ if [[ ! -f /tmp/megatron_site/.ready ]]; then
   bash "$HERE/setup_device.sh" >"$OUT/setup-$NAME.log" 2>&1 && touch /tmp/megatron_site/.ready
   tail -3 "$OUT/setup-$NAME.log"
 fi
-export PYTHONPATH=/tmp/megatron_site:$HERE/site:$HERE  # env.sh: a carry replaces this folder
+export PYTHONPATH=/tmp/megatron_site:$HERE/site:$HERE${PYTHONPATH:+:$PYTHONPATH}
 cd "$HERE"
-python3 ../../real_suite.py tests/unit_tests --nproc 1 --modes "$MODES" --out "$OUT/runs-$NAME" \
+PATHS=(tests/unit_tests)
+if [[ -n ${TESTS:-} ]]; then mapfile -t PATHS < <(grep -v '^#' "$TESTS"); fi
+python3 ../../real_suite.py "${PATHS[0]}" --nproc 1 --modes "$MODES" --out "$OUT/runs-$NAME" \
   --json "$OUT/$NAME.json" --cap 560 \
-  --pytest-args="--continue-on-collection-errors -p no:cacheprovider --deselect tests/unit_tests/dist_checkpointing/models/test_mlp_glu.py::TestParallelMLPWithGLU::test_oom_is_handled" "$@"
+  --pytest-args="--continue-on-collection-errors -p no:cacheprovider --deselect tests/unit_tests/dist_checkpointing/models/test_mlp_glu.py::TestParallelMLPWithGLU::test_oom_is_handled ${PATHS[*]:1}" "$@"
+status=$?
+tar czf "$OUT/runs-$NAME.tgz" -C "$OUT" "runs-$NAME" && rm -rf "$OUT/runs-$NAME"
+exit $status
