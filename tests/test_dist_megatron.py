@@ -381,6 +381,44 @@ def test_killed_worker_is_replaced_and_nothing_is_lost(pytester, run_pytest):
     )
 
 
+FORKED_WORKER_SUITE = """
+import os, sys
+import pytest
+
+def parent_command():
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return f.read().replace(b"\\0", b" ").decode()
+
+def test_the_worker_is_forked_from_the_zygote():
+    assert "xdist_megatron.ranks.zygote" in parent_command()
+    assert sys.argv == ["-c"] and not hasattr(sys.modules["__main__"], "__file__")
+
+def test_environment_is_the_workers(monkeypatch):
+    assert os.environ["PYTEST_XDIST_WORKER"] == "gw" + os.environ["XDIST_MEGATRON_WORKER"]
+    assert "XDIST_MEGATRON_ZYGOTE" not in os.environ
+
+def test_asserts_are_rewritten():
+    with pytest.raises(AssertionError, match="assert 1 == 2"):
+        one = 1
+        assert one == 2
+
+@pytest.mark.world_size(2)
+def test_a_gang_of_the_forked_worker(rank):
+    assert rank in (0, 1)
+"""
+
+
+def test_workers_are_forked_from_the_shared_zygote(pytester, run_pytest):
+    """Under --dist megatron each xdist worker is forked from the controller's zygote (through
+    the launcher execnet runs as its `python`): it starts with torch and the suite's packages
+    imported, as `python -u -c` would otherwise start it, pytest plugins imported afresh (no
+    rewrite warnings), and its gangs run as before; no worker, zygote or rank is left after."""
+    pytester.makepyfile(test_forked=FORKED_WORKER_SUITE)
+    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "-rA")
+    result.assert_outcomes(passed=4)
+    assert "cannot be rewritten" not in result.stdout.str()
+
+
 WORKER_IDS_SUITE = """
 import os
 

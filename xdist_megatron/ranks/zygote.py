@@ -11,6 +11,9 @@ Requests arrive on each driver's socket; the rank ends of the ranks' socket pair
 "fork" request as SCM_RIGHTS ancillary data. It reports each rank's exit (code or signal) to its
 driver as soon as it reaps it, kills a driver's ranks when that driver goes, and every child when
 the owner goes.
+It also forks the xdist workers themselves, for `xdist/worker_launcher.py`, which stands in for
+`python` when execnet starts one: a worker forked here starts with everything imported that the
+controller's conftest files made it import, instead of importing it all again, once per worker.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -78,6 +82,11 @@ BASE_PRELOAD = (
 CUDA_ENV_PREFIXES = ("CUDA_", "PYTORCH_", "NCCL_", "NVIDIA_", "TORCH_")
 WarmKey = tuple[int, tuple[tuple[str, str], ...]]  # (local rank, the CUDA environment)
 WARM_PER_KEY = 2  # one becomes a rank while the other is still warm: back-to-back gangs
+
+# The worker launcher imports nothing of ours (it must start in milliseconds), so it and the
+# zygote speak plain tuples: (FORK_WORKER, cwd, environ, code) with its stdin, stdout and stderr
+# as SCM_RIGHTS; ("forked", pid), ("signal", pid, signum) and ("exited", code) after it.
+FORK_WORKER = "fork-worker"
 WARMED_UP = b"w"  # a warm standby's word to the zygote: its context and NCCL are set up
 
 
@@ -144,6 +153,10 @@ class Client:
         self.children: set[int] = set()
         self.name: str | None = None  # what a sharing driver calls itself (Join)
         self.ranks: dict[int, tuple[int, int]] = {}  # pid -> (rank, world size), while alive
+        self.launcher = False  # a worker launcher's: it speaks plain tuples
+
+    def exited(self, pid: int, code: int) -> None:
+        self.send(("exited", code) if self.launcher else RankExited(pid, code))
 
     def send(self, message: object) -> None:
         try:
@@ -219,6 +232,12 @@ class Zygote:
             self.preload_for(client, request.modules)
         elif isinstance(request, Join):
             client.name = request.name
+        elif isinstance(request, tuple) and request[0] == FORK_WORKER:
+            client.launcher = True
+            client.send(self._fork_worker(client, *request[1:]))
+        elif isinstance(request, tuple) and request[0] == "signal":
+            if request[1] in client.children:
+                os.kill(request[1], request[2])
         elif isinstance(request, Leave):
             if client is self.owner:
                 self._kill(self.children)
@@ -280,6 +299,24 @@ class Zygote:
             pids.append(pid)
         return Forked(pids)
 
+    def _fork_worker(self, client: Client, cwd: str, environ: dict, code: str) -> tuple:
+        """An xdist worker, forked onto the launcher's stdin, stdout and stderr; it is the
+        launcher's child as a rank is its driver's (killed when the launcher goes)."""
+        _, fds, _, _ = socket.recv_fds(client.sock, 1, 3)
+        if self.breaks_cuda or len(fds) != 3:  # the worker could not use CUDA: it starts anew
+            for fd in fds:
+                os.close(fd)
+            return ("refused", self.breaks_cuda)
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(cwd, environ, code, fds)
+        for fd in fds:
+            os.close(fd)
+        self.children.add(pid)
+        client.children.add(pid)
+        self.owner_of[pid] = client
+        return ("forked", pid)
+
     def _take_standby(self, key: WarmKey | None) -> Standby | None:
         """For `key`: a standby warm for it (one done warming up first), else a cold one; a
         standby warm for another key made another device current and cannot serve."""
@@ -320,17 +357,7 @@ class Zygote:
         standby, and run the rank; never returns."""
         code = 1
         try:
-            _die_with_zygote()
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for own in (self.wake_r, self.wake_w):
-                os.close(own)
-            for standby in self.standby:
-                standby.control.close()
-            for client in self.clients:
-                client.close()
-            if self.listener is not None:
-                self.listener.close()
+            self._drop_resources()
             from .rank import run_rank
 
             spec, fd = assignment()
@@ -338,12 +365,36 @@ class Zygote:
         except BaseException:
             traceback.print_exc()
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os._exit(code)
+            _flush_and_exit(code)
+
+    def _become_worker(self, cwd: str, environ: dict, code: str, fds: list[int]) -> None:
+        """In the child: drop the zygote's resources and run `code` as `python -u -c code`
+        would have, in the launcher's directory and environment; never returns."""
+        exit_code = 1
+        try:
+            self._drop_resources()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            exit_code = _run_as_python(cwd, environ, code)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            _flush_and_exit(exit_code)
+
+    def _drop_resources(self) -> None:
+        """In a child: what is the zygote's alone (its signal wake-up, sockets and pipes)."""
+        _die_with_zygote()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for own in (self.wake_r, self.wake_w):
+            os.close(own)
+        for standby in self.standby:
+            standby.control.close()
+        for client in self.clients:
+            client.close()
+        if self.listener is not None:
+            self.listener.close()
 
     def _reap(self) -> dict[int, int]:
         """Reap every child that exited; {pid: exit code}."""
@@ -365,7 +416,7 @@ class Zygote:
             if client is not None:
                 client.children.discard(pid)
                 client.ranks.pop(pid, None)
-                client.send(RankExited(pid, code))
+                client.exited(pid, code)
         return reaped
 
     def _kill(self, pids: set[int]) -> dict[int, int]:
@@ -413,6 +464,56 @@ def _warm_up(local_rank: int, cuda_env: tuple[tuple[str, str], ...]) -> None:
         dist.all_reduce(tensor)
         torch.cuda.synchronize()
         dist.destroy_process_group()
+
+
+def _run_as_python(cwd: str, environ: dict, code: str) -> int:
+    """Make this forked process what `python -u -c code` started in `cwd` with `environ` would
+    be (its own __main__, argv, path, unbuffered streams on fds 0-2, default signals), run
+    `code` and the exit handlers as the interpreter's exit would; the exit code."""
+    import atexit
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_DFL)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = ["-c"]
+    sys.path[0] = ""
+    _forget_pytest_plugins()
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+        exit_code = 0
+    except SystemExit as done:
+        exit_code = done.code if isinstance(done.code, int) else int(done.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
+    atexit._run_exitfuncs()
+    return exit_code
+
+
+def _forget_pytest_plugins() -> None:
+    """pytest rewrites the asserts of the plugins it loads (pytest11 entry points, this one
+    too), and warns of each that was imported before: the worker imports them again itself."""
+    from importlib import metadata
+
+    plugins = {entry.module.partition(".")[0] for entry in metadata.entry_points(group="pytest11")}
+    for name in [name for name in sys.modules if name.partition(".")[0] in plugins]:
+        del sys.modules[name]
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def _die_with_zygote() -> None:

@@ -2,18 +2,24 @@
 
 Loaded with the plugin (entry point or `-p xdist_megatron.plugin`), never from a conftest: xdist's
 `--dist` choices must be extended before the command line is parsed.
+
+PYTEST_DONT_REWRITE: plugin.py imports this module before pytest registers it as a plugin, which
+would warn that its asserts cannot be rewritten (it has none).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .. import placement, sidechannel
 from ..ci import durations, selection
+from ..coverage import rank_coverage
 from ..driver import reporting
 from ..driver.gang import detect_devices
 from ..driver.runtime import RUNTIME, gangs_per_device
@@ -26,6 +32,7 @@ DIST_HELP = (
     "(xdist-megatron)."
 )
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
+LAUNCHER = Path(__file__).with_name("worker_launcher.py")
 
 AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
 _parser: pytest.Parser | None = None
@@ -112,18 +119,35 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
     6000): torchrun gives each of its processes the port of its own run, and so must the workers
     here, or all but one of them fail to collect those modules. The environment goes into the
     spec string so that a replacement worker (xdist clones the spec of a crashed one) inherits
-    the same index and devices."""
+    the same index and devices.
+
+    Under `--dist megatron` a worker is forked from the shared zygote (`forked_python`)."""
     import execnet
 
     devices = config.stash[RUNTIME].devices
+    python = forked_python(config)
     for index, spec in enumerate(specs):
         env = f"//env:{WORKER_VAR}={index}//env:MASTER_PORT={free_port()}"
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
+        if python is not None and spec.popen and not (spec.python or spec.via):
+            env += f"//python={python}"
         replacement = execnet.XSpec(f"{spec}{env}")
         replacement.id = spec.id  # keep gw0, gw1...: PYTEST_XDIST_WORKER matches the index
         specs[index] = replacement
+
+
+def forked_python(config: pytest.Config) -> str | None:
+    """The `python` of a worker forked from the shared zygote: each worker then starts with
+    torch and the packages the controller's conftest files import (the zygote followed them),
+    not importing them all again, once per worker, on the way to its first test. None where
+    the workers start as usual: not --dist megatron, or a measured run (a forked worker would
+    inherit the zygote's coverage measurement)."""
+    if not requested(config) or rank_coverage.driver_target() is not None:
+        return None
+    address = config.stash[RUNTIME].host_zygote()
+    return f"{sys.executable} -I {LAUNCHER} {address}"
 
 
 def free_port() -> int:

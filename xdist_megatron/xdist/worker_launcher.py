@@ -1,0 +1,69 @@
+"""Stands in for `python` when xdist starts a worker: the worker is forked from the shared zygote,
+which has imported torch and the suite's packages already, instead of importing them again.
+
+execnet runs `LAUNCHER ADDRESS -u -c BOOTSTRAP` and speaks to it over its stdin and stdout. This
+script hands those descriptors (and stderr, its directory and its environment) to the zygote at
+ADDRESS, which forks the worker onto them; then it stays as the worker's stand-in for execnet
+and xdist: it passes on SIGINT and SIGTERM, and exits with the worker's exit code. If the zygote
+cannot fork one, the worker starts as a plain `python -u -c BOOTSTRAP` in its place.
+
+Run by path with `python -I`: it imports nothing but the standard library, so that it starts in
+milliseconds, and speaks to the zygote in plain tuples (see `ranks/zygote.py`, FORK_WORKER).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
+
+FORK_WORKER = "fork-worker"  # the request's tag; the zygote's twin of this name says why
+
+
+def main(argv: list[str]) -> int:
+    address, python_args = argv[1], argv[2:]
+    try:
+        sock, conn, pid = _fork_worker(address, python_args)
+    except (OSError, EOFError, ValueError):
+        sock = None
+    if sock is None:
+        os.execv(sys.executable, [sys.executable, *python_args])
+    for fd in (0, 1, 2):  # only the worker holds execnet's pipes: its exit closes them
+        os.close(fd)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: conn.send(("signal", pid, signum)))
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "exited":
+                return _exit_as(message[1])
+    except (EOFError, OSError):  # the zygote went, and the worker with it
+        return 1
+
+
+def _exit_as(code: int) -> int:
+    """The worker's exit code, or its death by a signal, as this process's own."""
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _fork_worker(address: str, python_args: list[str]) -> tuple[socket.socket, Connection, int]:
+    """Ask the zygote for the worker; (socket, connection, worker pid), or ValueError."""
+    code = python_args[python_args.index("-c") + 1]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + address)
+    conn = Connection(os.dup(sock.fileno()))
+    conn.send((FORK_WORKER, os.getcwd(), dict(os.environ), code))
+    socket.send_fds(sock, [b"w"], [0, 1, 2])
+    reply = conn.recv()
+    if reply[0] != "forked":
+        raise ValueError(reply)
+    return sock, conn, reply[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
