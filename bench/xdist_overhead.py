@@ -61,7 +61,28 @@ def add_suite_options(parser: argparse.ArgumentParser, tests: int, modules: int)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_suite_options(parser, tests=24, modules=4)
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="a folder holding another xdist_megatron (`git archive REV xdist_megatron | tar -x "
+        "-C DIR`): its -n auto and -n N runs join the rounds, first on PYTHONPATH",
+    )
     return parser.parse_args(argv)
+
+
+def with_baseline(runs: dict[str, list[str]], baseline: str | None) -> dict[str, list[str]]:
+    """The baseline's runs of the modes that start workers, named "... (baseline)"."""
+    if baseline is None:
+        return runs
+    started = [mode for mode in runs if mode.startswith("-n") and mode != REMEMBERED]
+    return runs | {f"{mode} (baseline)": runs[mode] for mode in started if "given" not in mode}
+
+
+def env_of(mode: str, baseline: str | None) -> dict[str, str] | None:
+    if baseline is None or not mode.endswith("(baseline)"):
+        return None
+    path = os.pathsep.join(p for p in (baseline, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def write_suite(folder: Path, args: argparse.Namespace, world_size: int) -> float:
@@ -83,16 +104,26 @@ def write_suite(folder: Path, args: argparse.Namespace, world_size: int) -> floa
     return total
 
 
-def run_mode(folder: Path, options: list[str], devices: list[str], cache: bool = False) -> float:
+def run_mode(
+    folder: Path,
+    options: list[str],
+    devices: list[str],
+    cache: bool = False,
+    env: dict[str, str] | None = None,
+) -> float:
     """Whole-process wall of one run; without the pytest cache unless `cache`."""
     no_cache = [] if cache else ["-p", "no:cacheprovider"]
     command = [sys.executable, "-m", "pytest", "-q", *no_cache, *devices, *options]
-    wall, _ = run_checked(command, str(folder), timeout=1800)
+    wall, _ = run_checked(command, str(folder), timeout=1800, env=env)
     return wall
 
 
 def alternate(
-    folder: Path, runs: dict[str, list[str]], rounds: int, devices: list[str]
+    folder: Path,
+    runs: dict[str, list[str]],
+    rounds: int,
+    devices: list[str],
+    baseline: str | None = None,
 ) -> dict[str, list[float]]:
     """Each mode's whole-process wall per round; each round starts with the next mode (the
     machine is shared: no mode always runs first, on cold caches, or last)."""
@@ -100,7 +131,8 @@ def alternate(
     for round_number in range(rounds):
         shift = round_number % len(runs)
         for mode in list(runs)[shift:] + list(runs)[:shift]:
-            wall = run_mode(folder, runs[mode], devices, cache=mode == REMEMBERED)
+            cache = mode == REMEMBERED
+            wall = run_mode(folder, runs[mode], devices, cache, env_of(mode, baseline))
             progress(f"round {round_number + 1}: {mode}: {wall:.2f} s")
             walls[mode].append(wall)
     return walls
@@ -126,15 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     world_size = devices.count
     info = machine()  # the load before the runs
     landed_auto = devices.count if not devices.is_cpu else os.cpu_count() or 1
-    runs = modes(world_size, landed_auto)
+    runs = with_baseline(modes(world_size, landed_auto), args.baseline)
     with tempfile.TemporaryDirectory(prefix="xdist-overhead-") as folder:
         sleeps = write_suite(Path(folder), args, world_size)
         run_mode(Path(folder), runs[REMEMBERED], devices.plugin_options(), cache=True)  # fills it
-        walls = alternate(Path(folder), runs, args.rounds, devices.plugin_options())
+        walls = alternate(
+            Path(folder), runs, args.rounds, devices.plugin_options(), args.baseline
+        )
     print("\n".join(header_lines("xdist-megatron benchmark: xdist where one gang fits", info)))
     print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")
     print(f"          {sleeps:.1f} s of sleep in all ({args.min_s}-{args.max_s} s each)")
     print(f"devices : {devices.describe()}")
+    if args.baseline:
+        print(f"baseline: xdist_megatron from {args.baseline}")
     print("\nWhole-process wall [s]; each round starts with the next mode")
     print(walls_table(walls, "vs serial", lambda median, serial: median / serial))
     return 0

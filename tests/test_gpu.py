@@ -54,7 +54,14 @@ def test_nccl_pinning_and_sticky_cuda_error(pytester: pytest.Pytester, run_pytes
     assert "CUDA" in result.stdout.str()
 
 
-CUDA_AT_IMPORT_LIB = "import os\nimport torch\n\ntorch.cuda.init()\nIMPORTED_BY = os.getpid()\n"
+CUDA_AT_IMPORT_LIBS = {
+    "torch": "import os\nimport torch\n\ntorch.cuda.init()\nIMPORTED_BY = os.getpid()\n",
+    # A C library that calls cuInit itself, as torch never learns (flash-attn's import does
+    # through torch; others through the driver API).
+    "driver": (
+        "import ctypes, os\n\nctypes.CDLL('libcuda.so.1').cuInit(0)\nIMPORTED_BY = os.getpid()\n"
+    ),
+}
 
 CUDA_AT_IMPORT_SUITE = """
 import os
@@ -69,14 +76,15 @@ def test_where_imported():
 """
 
 
+@pytest.mark.parametrize("through", sorted(CUDA_AT_IMPORT_LIBS))
 def test_a_preload_that_initialises_cuda_is_left_to_gpu_ranks(
-    pytester: pytest.Pytester, run_pytest, tmp_path_factory, monkeypatch
+    pytester: pytest.Pytester, run_pytest, tmp_path_factory, monkeypatch, through: str
 ) -> None:
     """A package that initialises CUDA at import would leave no forked rank able to use its GPU:
     for GPU ranks the zygote drops it (each rank imports it) and says so; ranks in CPU mode never
     touch CUDA, so there it stays preloaded."""
     vendored = tmp_path_factory.mktemp("vendored")
-    (vendored / "cuda_at_import.py").write_text(CUDA_AT_IMPORT_LIB)
+    (vendored / "cuda_at_import.py").write_text(CUDA_AT_IMPORT_LIBS[through])
     monkeypatch.setenv("PYTHONPATH", str(vendored), prepend=os.pathsep)
     pytester.makepyfile(test_cuda_at_import=CUDA_AT_IMPORT_SUITE)
     on_gpus = run_pytest("-s", "--megatron-timeout", "120", gpus=True)

@@ -121,18 +121,143 @@ def test_the_next_test_chooses_again(device):
     assert backends()["backend_selection_requires_update"] is True
 """
 
-# A conftest that removes one reset in the ranks: the pair must then fail.
+TE_DISTRIBUTED = """
+import pytest
+import torch
+import torch.distributed as dist
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import distributed as ted
+"""
+
+RNG_STATES_REGISTERED = (
+    TE_DISTRIBUTED
+    + """
+
+class Tracker:  # what Megatron's tracker gives TE: {name: a generator state}
+    def get_states(self):
+        return {"model-parallel-rng": torch.cuda.get_rng_state()}
+
+    def fork(self):
+        raise AssertionError("no dropout here")
+
+
+@pytest.mark.world_size(1)
+def test_registers_rng_states(device):
+    # Megatron's TEDotProductAttention hands TE its tracker; a later make_graphed_callables
+    # without one would read these states.
+    te.DotProductAttention(4, 64, get_rng_state_tracker=Tracker)
+    assert ted.get_all_rng_states()
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_starts_with_no_rng_states(device):
+    assert ted.get_all_rng_states() == {}
+"""
+)
+
+RECOMPUTE_LEFT_NON_REENTRANT = (
+    TE_DISTRIBUTED
+    + """
+
+@pytest.mark.world_size(1)
+def test_checkpoints_non_reentrant(device):
+    layer = torch.nn.Linear(16, 16, device=device)
+    ted.checkpoint(layer, torch.ones(4, 16, device=device, requires_grad=True), use_reentrant=False)
+    assert not ted.use_reentrant_activation_recompute()
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_recomputes_reentrant(device):
+    assert ted.use_reentrant_activation_recompute()
+"""
+)
+
+GROUP_SIZES_CACHED = (
+    TE_DISTRIBUTED
+    + """
+
+@pytest.mark.world_size(1)
+def test_caches_a_group_size(device):
+    # Every TE module with a tp_group asks; the cache keeps the group alive after it is destroyed.
+    assert ted.get_distributed_world_size(dist.new_group([0])) == 1
+    assert ted.get_distributed_world_size.cache_info().currsize
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_starts_with_no_cached_groups(device):
+    assert ted.get_distributed_world_size.cache_info().currsize == 0
+"""
+)
+
+GRAPH_CAPTURE_LEFT_ON = """
+import pytest
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import graph
+
+
+@pytest.mark.world_size(1)
+def test_leaves_capture_on(device):
+    # What a make_graphed_callables that raised during capture leaves: every TE module and
+    # attention backend choice after it believes a CUDA graph is being captured.
+    graph.set_capture_start()
+    assert graph.is_graph_capturing()
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_is_not_capturing(device):
+    assert not graph.is_graph_capturing()
+"""
+
+COMPILED_CODE_KEPT = """
+import pytest
+import torch
+import transformer_engine.pytorch as te
+
+compiles = []
+
+
+def counting_backend(graph_module, example_inputs):
+    compiles.append(1)
+    return graph_module.forward
+
+
+double = torch.compile(lambda x: x * 2, backend=counting_backend)
+
+
+@pytest.mark.world_size(1)
+def test_compiles(device):
+    double(torch.ones(4, device=device))
+    assert len(compiles) == 1
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_reuses_the_compiled_code(device):
+    # TE's userbuffers reset calls torch.compiler.reset(): only where a test set them up.
+    double(torch.ones(4, device=device))
+    assert len(compiles) == 1
+"""
+
+# Each pair, and the statement a conftest runs in the ranks to remove its reset (to undo the
+# fix, for the last): the pair must then fail.
+PAIRS = {
+    "fp8-autocast": (FP8_LEFT_ON, "isolation._TE_FP8_STATE_MODULES = ()"),
+    "amax-buffers": (AMAX_BUFFERS, "isolation._TE_FP8_STATE_MODULES = ()"),
+    "attention-backend": (ATTENTION_BACKEND_CACHED, "isolation._TE_ATTENTION_MODULES = ()"),
+    "rng-states": (RNG_STATES_REGISTERED, "isolation._TE_DISTRIBUTED_MODULE = ''"),
+    "recompute-flags": (RECOMPUTE_LEFT_NON_REENTRANT, "isolation._TE_DISTRIBUTED_MODULE = ''"),
+    "group-size-cache": (GROUP_SIZES_CACHED, "isolation._TE_DISTRIBUTED_MODULE = ''"),
+    "graph-capture": (GRAPH_CAPTURE_LEFT_ON, "isolation._TE_GRAPH_MODULE = ''"),
+    "compiled-code": (
+        COMPILED_CODE_KEPT,
+        "isolation._userbuffers_initialised = lambda base: True",
+    ),
+}
+
 WITHOUT = """
 import xdist_megatron.ranks.isolation as isolation
 
-isolation.{name} = ()
+{statement}
 """
-
-PAIRS = {
-    "fp8-autocast": (FP8_LEFT_ON, "_TE_FP8_STATE_MODULES"),
-    "amax-buffers": (AMAX_BUFFERS, "_TE_FP8_STATE_MODULES"),
-    "attention-backend": (ATTENTION_BACKEND_CACHED, "_TE_ATTENTION_MODULES"),
-}
 
 
 @pytest.mark.parametrize("reset", ["kept", "removed"])
@@ -140,10 +265,10 @@ PAIRS = {
 def test_transformer_engine_state_is_reset_between_tests(
     pytester: pytest.Pytester, run_pytest, pair: str, reset: str
 ) -> None:
-    suite, reset_name = PAIRS[pair]
+    suite, removal = PAIRS[pair]
     pytester.makepyfile(test_te_state=suite)
     if reset == "removed":
-        pytester.makeconftest(WITHOUT.format(name=reset_name))
+        pytester.makeconftest(WITHOUT.format(statement=removal))
     result = run_pytest("-rA", gpus=True)
     print(result.stdout.str())
     outcomes = result.parseoutcomes()

@@ -568,7 +568,7 @@ def _reset_rng_tracker(module: ModuleType | None) -> None:
         module._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
 
 
-# --- Transformer Engine --------------------------------------------------------------------------
+# --- Transformer Engine ------------------------------------------------------------------------
 
 _TE_FP8_STATE_MODULES = (
     "transformer_engine.pytorch.quantization",
@@ -582,8 +582,14 @@ _TE_ATTENTION_MODULES = (
 _TE_RESETS = (
     ("transformer_engine.pytorch.ep", "ep_finalize"),
     ("transformer_engine.pytorch.distributed", "release_symm_mem_pool"),
-    ("transformer_engine.pytorch.module.base", "destroy_ub"),
 )
+# Left alone (TE 2.20.2): the class `__call__` a make_graphed_callables that raised leaves patched
+# (undoing it means reading the patch's closure); the ALiBi cache and TE's debug state (neither
+# used by Megatron's tests); fusions registered on the op fuser; what TE reads from the
+# environment at import (only a re-import would read it again); caches of tensors (memory only).
+_TE_UB_MODULE = "transformer_engine.pytorch.module.base"
+_TE_DISTRIBUTED_MODULE = "transformer_engine.pytorch.distributed"
+_TE_GRAPH_MODULE = "transformer_engine.pytorch.graph"
 
 
 def _teardown_transformer_engine() -> None:
@@ -607,8 +613,51 @@ def _transformer_engine_resets() -> Iterator[Callable[[], object]]:
         reset = _loaded_function(module_name, name)
         if reset is not None:
             yield reset
+    base = sys.modules.get(_TE_UB_MODULE)
+    if base is not None and _userbuffers_initialised(base):
+        # Only then: destroy_ub also calls torch.compiler.reset(), which would throw away every
+        # compiled function (TE's and Megatron's fused kernels) after every test.
+        yield base.destroy_ub
+    distributed = sys.modules.get(_TE_DISTRIBUTED_MODULE)
+    if distributed is not None:
+        yield lambda: _reset_te_distributed(distributed)
+    end_capture = _loaded_function(_TE_GRAPH_MODULE, "set_capture_end")
+    if end_capture is not None:  # a make_graphed_callables that raised leaves capture on
+        yield end_capture
     for module_name in _TE_ATTENTION_MODULES:
         backends = getattr(sys.modules.get(module_name), "_attention_backends", None)
         if isinstance(backends, dict):
             # The cached backend choice depends on env vars and flags that restore may change.
             yield lambda backends=backends: backends.update(backend_selection_requires_update=True)
+
+
+def _userbuffers_initialised(base: ModuleType) -> bool:
+    initialised = getattr(base, "is_ub_initialized", None)
+    if callable(initialised) and initialised():
+        return True
+    return getattr(base, "_ub_communicators", None) is not None
+
+
+def _reset_te_distributed(distributed: ModuleType) -> None:
+    """transformer_engine.pytorch.distributed's globals, as at import: the RNG states its
+    DotProductAttention registered (a later make_graphed_callables reads them), the activation
+    recompute flags and FIFO a forward without backward leaves, and the caches of group sizes
+    and ranks (they keep the test's destroyed groups alive)."""
+    for name in ("get_distributed_world_size", "get_distributed_rank"):
+        cache_clear = getattr(getattr(distributed, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    set_states = getattr(distributed, "set_all_rng_states", None)
+    if set_states is not None:
+        set_states({})
+    for name, value in (
+        ("_USE_REENTRANT_ACTIVATION_RECOMPUTE", True),
+        ("_IN_ACTIVATION_RECOMPUTE_REGION", False),
+        ("_ACTIVATION_RECOMPUTE_PHASE", False),
+    ):
+        if hasattr(distributed, name):
+            setattr(distributed, name, value)
+    recompute = getattr(distributed, "activation_recompute_forward", None)
+    fifo = getattr(recompute, "_is_first_fp8_module", None)
+    if isinstance(fifo, list):
+        fifo.clear()

@@ -58,6 +58,7 @@ from ..protocol import (
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
+CUDA_DRIVER = "libcuda.so.1"
 OWNER_POLL = 0.2  # seconds between the checks that the owner is still there
 
 # What every rank needs, imported once here instead of once per rank.
@@ -131,7 +132,10 @@ def preload(modules: list[str], cuda: bool) -> tuple[dict[str, str], list[str]]:
 
 def _fork_keeps_cuda_usable() -> bool:
     """Whether a child forked now could still initialise CUDA (torch marks it a 'bad fork'
-    once the parent touched the CUDA driver, even through a mere device count)."""
+    once the parent touched the CUDA driver, even through a mere device count; a C library
+    that called cuInit itself only the driver knows of)."""
+    if _cuda_driver_initialised():
+        return False
     torch = sys.modules.get("torch")
     if torch is None:
         return True
@@ -142,6 +146,17 @@ def _fork_keeps_cuda_usable() -> bool:
         os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def _cuda_driver_initialised() -> bool:
+    """Whether anything in this process called cuInit: until then the driver answers every
+    other call with CUDA_ERROR_NOT_INITIALIZED. False where there is no driver."""
+    try:
+        driver = ctypes.CDLL(CUDA_DRIVER)
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) == 0  # CUDA_SUCCESS
 
 
 class Client:
