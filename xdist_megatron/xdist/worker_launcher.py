@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
 def _exit_as(code: int) -> int:
     """The worker's exit code, or its death by a signal, as this process's own."""
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # SIGKILL's cannot be set, and is the default anyway
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 

@@ -1,0 +1,97 @@
+"""The worker launcher (xdist/worker_launcher.py), which stands in for `python` when execnet
+starts an xdist worker: the worker is forked from a real zygote onto the launcher's pipes, its
+exit code (or the signal that killed it) comes back as the launcher's own, the launcher's
+SIGTERM reaches it, and a launcher killed outright takes the worker with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import assert_no_processes_left
+
+from xdist_megatron.driver.zygote_client import ZygoteClient, shared_address
+from xdist_megatron.xdist.hooks import LAUNCHER
+
+WHO_AM_I = """
+import os, sys
+line = sys.stdin.readline().strip()
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+    parent = f.read().split(b"\\0")
+forked = b"xdist_megatron.ranks.zygote" in parent
+print(line, os.getcwd(), os.environ.get("LAUNCHER_TEST"), sys.argv, forked)
+"""
+
+
+@pytest.fixture
+def zygote(tag: str) -> Iterator[ZygoteClient]:
+    """A zygote listening on an address, as the xdist controller starts one."""
+    client = ZygoteClient(["torch"], None, address=shared_address(), cuda=False)
+    assert not client.preload_failures
+    yield client
+    client.close()
+    assert_no_processes_left(tag)
+
+
+def launch(address: str, code: str, **kwargs) -> subprocess.Popen:
+    command = [sys.executable, "-I", str(LAUNCHER), address, "-u", "-c", code]
+    return subprocess.Popen(command, text=True, **kwargs)
+
+
+def test_the_worker_is_forked_onto_the_launchers_pipes(zygote, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LAUNCHER_TEST", "seen")
+    process = launch(
+        zygote.address, WHO_AM_I, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    out, _ = process.communicate("hello\n", timeout=60)
+    assert process.returncode == 0
+    assert out.split() == ["hello", str(tmp_path), "seen", "['-c']", "True"]
+
+
+@pytest.mark.parametrize(
+    ("code", "returncode"),
+    [("import sys; sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), 9)", -9)],
+    ids=["exit-code", "killed"],
+)
+def test_the_workers_end_is_the_launchers(zygote, code: str, returncode: int) -> None:
+    process = launch(zygote.address, code)
+    assert process.wait(timeout=60) == returncode
+
+
+def test_sigterm_reaches_the_worker(zygote) -> None:
+    process = launch(zygote.address, "import time; print('up', flush=True); time.sleep(60)",
+                     stdout=subprocess.PIPE)  # fmt: skip
+    assert process.stdout.readline().strip() == "up"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_a_launcher_killed_outright_takes_its_worker(zygote) -> None:
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    process = launch(zygote.address, code, stdout=subprocess.PIPE)
+    worker = int(process.stdout.readline())
+    process.kill()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z":
+        assert time.monotonic() < deadline, "the worker outlived its launcher"
+        time.sleep(0.05)
+
+
+def test_without_a_zygote_the_worker_starts_as_plain_python(tag: str) -> None:
+    process = launch("no-such-zygote", "import sys; print(sys.argv)", stdout=subprocess.PIPE)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and out.strip() == "['-c']"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
