@@ -31,7 +31,7 @@ print(line, os.getcwd(), os.environ.get("LAUNCHER_TEST"), sys.argv, forked)
 @pytest.fixture
 def zygote(tag: str) -> Iterator[ZygoteClient]:
     """A zygote listening on an address, as the xdist controller starts one."""
-    client = ZygoteClient(["torch"], None, address=shared_address(), cuda=False)
+    client = ZygoteClient(["torch", "numpy"], None, address=shared_address(), cuda=False)
     assert not client.preload_failures
     yield client
     client.close()
@@ -81,6 +81,17 @@ def test_a_launcher_killed_outright_takes_its_worker(zygote) -> None:
     while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z":
         assert time.monotonic() < deadline, "the worker outlived its launcher"
         time.sleep(0.05)
+
+
+def test_workers_draw_different_random_numbers(zygote) -> None:
+    """As workers started afresh do (a port or a temporary name drawn from a state the forks of
+    one zygote shared would collide): `random` and numpy reseed in a forked child."""
+    code = "import random, numpy; print(numpy.random.random(), random.random())"
+    draws = []
+    for _ in range(2):
+        process = launch(zygote.address, code, stdout=subprocess.PIPE)
+        draws.append(process.communicate(timeout=60)[0].split())
+    assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1], draws
 
 
 def test_without_a_zygote_the_worker_starts_as_plain_python(tag: str) -> None:
