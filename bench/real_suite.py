@@ -65,6 +65,7 @@ from _util import (
     tail,
     write_json,
 )
+from stream_reports import StreamReports
 
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
@@ -199,18 +200,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # -- torchrun's ranks -----------------------------------------------------------------------------
-
-
-class StreamReports:
-    """A pytest plugin object: one JSON line per report, flushed, so a killed run leaves them."""
-
-    def __init__(self, path: str) -> None:
-        self.file = open(path, "a", buffering=1)  # open for the session
-
-    def pytest_runtest_logreport(self, report) -> None:
-        line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                "duration": report.duration, "xfail": hasattr(report, "wasxfail")}  # fmt: skip
-        self.file.write(json.dumps(line) + "\n")
 
 
 def rank_main(folder: str, pytest_args: list[str]) -> int:

@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="xdist-overhead-") as folder:
         sleeps = write_suite(Path(folder), args, world_size)
         run_mode(Path(folder), runs[REMEMBERED], devices.plugin_options(), cache=True)  # fills it
-        walls = alternate(
-            Path(folder), runs, args.rounds, devices.plugin_options(), args.baseline
-        )
+        walls = alternate(Path(folder), runs, args.rounds, devices.plugin_options(), args.baseline)
     print("\n".join(header_lines("xdist-megatron benchmark: xdist where one gang fits", info)))
     print(f"suite   : {args.tests} tests of world size {world_size} in {args.modules} modules,")
     print(f"          {sleeps:.1f} s of sleep in all ({args.min_s}-{args.max_s} s each)")

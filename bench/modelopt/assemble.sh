@@ -14,8 +14,8 @@
 # and times from call to call (a carry replaces the folder, and ninja rebuilds what is newer).
 # `modelopt/__init__.py` reads its version from the nvidia-modelopt distribution's metadata: a
 # dist-info in site/ with only METADATA stands in for the editable install (version as
-# `git describe` gives it). The glue: conftest.py, modelopt_glue.py
-# and stream_reports.py of this folder, gang_pool.py of examples/pool_adapter (unchanged).
+# `git describe` gives it). The glue: conftest.py and modelopt_glue.py of this folder,
+# bench/stream_reports.py, gang_pool.py of examples/pool_adapter (unchanged).
 # WHEELs go to OUT/wheels (fetch_wheels.sh; megatron-core's from bench/out/megatron_full/wheels).
 set -euo pipefail
 
@@ -54,7 +54,7 @@ mkdir -p "$info"
 printf 'Metadata-Version: 2.1\nName: nvidia-modelopt\nVersion: %s\n' "$VERSION" >"$info/METADATA"
 printf 'bench/modelopt/assemble.sh (source tree, not installed)\n' >"$info/INSTALLER"
 
-cp "$HERE"/{conftest.py,modelopt_glue.py,stream_reports.py} "$OUT/"
+cp "$HERE"/{conftest.py,modelopt_glue.py} "$HERE/../stream_reports.py" "$OUT/"
 cp "$REPO/examples/pool_adapter/gang_pool.py" "$OUT/"
 echo "$REV" >"$OUT/REVISION"
 echo "$REV" >"$OUT/site/REVISION"

@@ -177,7 +177,7 @@ def run_mode(
     pools, stream = store / f"{name}-pools.jsonl", store / f"{name}-stream.jsonl"
     for path in (pools, stream, store / f"{name}.xml", store / f"{name}-report.json"):
         path.unlink(missing_ok=True)
-    env = {"MODELOPT_POOL_LOG": str(pools), "MODELOPT_STREAM": str(stream)}
+    env = {"MODELOPT_POOL_LOG": str(pools), "STREAM_REPORTS": str(stream)}
     run = Run(name, command(mode, targets, store, name, args), expected=ids,
               log=str(store / f"{name}.log"), env=env)  # fmt: skip
     real_suite.execute(run, suite, cap)

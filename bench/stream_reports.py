@@ -1,0 +1,30 @@
+"""One JSON line per test report, flushed as it happens, so that a run killed at its cap still
+leaves the outcomes it reached (junit is written only at the end).
+
+`real_suite.py` gives each torchrun rank a `StreamReports`; a run on the plugin takes it as
+`-p stream_reports` with $STREAM_REPORTS naming the file. Only the process that reports the run
+writes: not the plugin's ranks or zygote, not xdist's workers (their reports reach the
+controller)."""
+
+import json
+import os
+
+NOT_REPORTING = ("XDIST_MEGATRON_ZYGOTE", "PYTEST_XDIST_WORKER")
+
+
+class StreamReports:
+    """A pytest plugin object: one JSON line per report, flushed, so a killed run leaves them."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1)  # open for the session
+
+    def pytest_runtest_logreport(self, report) -> None:
+        line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                "duration": report.duration, "xfail": hasattr(report, "wasxfail")}  # fmt: skip
+        self.file.write(json.dumps(line) + "\n")
+
+
+def pytest_configure(config) -> None:
+    path = os.environ.get("STREAM_REPORTS")
+    if path and not any(name in os.environ for name in NOT_REPORTING):
+        config.pluginmanager.register(StreamReports(path), "stream-reports")
