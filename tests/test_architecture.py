@@ -24,6 +24,7 @@ PURE = {
     f"{NAME}.ci.sharding",
     f"{NAME}.xdist.simulator",
     f"{NAME}.xdist.splitting",
+    f"{NAME}.xdist.worker_launcher",  # it must start in milliseconds: the standard library only
 }
 HEAVY = ("torch", "pytest", "_pytest", "xdist", "execnet")
 
