@@ -191,6 +191,46 @@ def test_processes_a_test_leaves_running_end_with_its_rank(pytester, run_pytest,
     assert len(read_facts(facts_dir, "manager_exits")) == 2
 
 
+CRASHES_WITH_A_CHILD = """
+import json, os, signal, subprocess, sys, time
+import pytest
+from facts import record
+
+
+@pytest.mark.world_size(2)
+def test_crashes_leaving_a_child(rank):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    record("children", child=child.pid)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # a crash: no exit handler ends the child
+    child.wait()  # rank 0: a hang, until the gang is retired and its ranks killed
+
+
+@pytest.mark.world_size(2)
+def test_after_the_crash(rank):
+    # On the new gang: the old gang's children went with its ranks, not at the session's end.
+    with open(os.path.join(os.environ["FACTS_DIR"], "children.jsonl")) as f:
+        children = [json.loads(line)["child"] for line in f]
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}/cmdline") and open(f"/proc/{pid}/cmdline").read()
+              for pid in children):  # fmt: skip
+        assert time.monotonic() < deadline, children
+        time.sleep(0.05)
+"""
+
+
+def test_a_rank_killed_by_a_signal_takes_the_processes_it_started(pytester, run_pytest, facts_dir):
+    """A rank that crashes, or hangs and is killed, cannot end the processes its test started:
+    each rank leads a process group of its own, and the zygote kills what is left in it when it
+    reaps the rank. Both children are gone before the session ends, and the next test runs."""
+    pytester.makepyfile(test_crash=CRASHES_WITH_A_CHILD)
+    result = run_pytest("--megatron-timeout", "60", "-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    children = {fact["child"] for fact in read_facts(facts_dir, "children")}
+    assert len(children) == 2
+    assert_gone(children)
+
+
 def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):
     """Invariant 4: importing the rank entry point, from a folder holding a conftest and test
     modules, pulls in neither."""

@@ -398,8 +398,10 @@ class Zygote:
             _flush_and_exit(exit_code)
 
     def _drop_resources(self) -> None:
-        """In a child: what is the zygote's alone (its signal wake-up, sockets and pipes)."""
+        """In a child: what is the zygote's alone (its signal wake-up, sockets and pipes, its
+        process group: the child leads one of its own, which its own children join)."""
         _die_with_zygote()
+        os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for own in (self.wake_r, self.wake_w):
@@ -423,6 +425,7 @@ class Zygote:
                 break
             code = reaped[pid] = os.waitstatus_to_exitcode(status)
             self.children.discard(pid)
+            _end_process_group(pid)
             for standby in [s for s in self.standby if s.pid == pid]:
                 self.standby.remove(standby)
                 if standby.warm is not None:  # it could not warm up: stop trying that one
@@ -529,6 +532,13 @@ def _flush_and_exit(code: int) -> None:
         except Exception:
             pass
     os._exit(code)
+
+
+def _end_process_group(leader: int) -> None:
+    """What a child that has ended left in its process group: the processes its tests started
+    and did not end, which a rank killed by a signal (a crash, a hang) never could."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
 
 
 def _die_with_zygote() -> None:
