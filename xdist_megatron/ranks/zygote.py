@@ -314,7 +314,9 @@ class Zygote:
             pids.append(pid)
         return Forked(pids)
 
-    def _fork_worker(self, client: Client, cwd: str, environ: dict, code: str) -> tuple:
+    def _fork_worker(
+        self, client: Client, cwd: str, environ: dict[str, str], code: str
+    ) -> tuple[str, object]:
         """An xdist worker, forked onto the launcher's stdin, stdout and stderr; it is the
         launcher's child as a rank is its driver's (killed when the launcher goes)."""
         _, fds, _, _ = socket.recv_fds(client.sock, 1, 3)
@@ -382,7 +384,7 @@ class Zygote:
         finally:
             _flush_and_exit(code)
 
-    def _become_worker(self, cwd: str, environ: dict, code: str, fds: list[int]) -> None:
+    def _become_worker(self, cwd: str, environ: dict[str, str], code: str, fds: list[int]) -> None:
         """In the child: drop the zygote's resources and run `code` as `python -u -c code`
         would have, in the launcher's directory and environment; never returns."""
         exit_code = 1
@@ -484,7 +486,7 @@ def _warm_up(local_rank: int, cuda_env: tuple[tuple[str, str], ...]) -> None:
         dist.destroy_process_group()
 
 
-def _run_as_python(cwd: str, environ: dict, code: str) -> int:
+def _run_as_python(cwd: str, environ: dict[str, str], code: str) -> int:
     """Make this forked process what `python -u -c code` started in `cwd` with `environ` would
     be (its own __main__, argv, path, unbuffered streams on fds 0-2, default signals), run
     `code` and the exit handlers as the interpreter's exit would; the exit code."""
