@@ -419,6 +419,40 @@ def test_workers_are_forked_from_the_shared_zygote(pytester, run_pytest):
     assert "cannot be rewritten" not in result.stdout.str()
 
 
+ZYGOTE_DIES_CONFTEST = """
+import os, signal, time
+
+def pytest_configure(config):
+    # In the worker (not the controller, not a rank): kill the zygote it was forked from.
+    if "PYTEST_XDIST_WORKER" in os.environ and "XDIST_MEGATRON_ZYGOTE" not in os.environ:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            assert b"xdist_megatron.ranks.zygote" in f.read()
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(0.5)
+"""
+
+ZYGOTE_DIES_SUITE = """
+import pytest
+
+@pytest.mark.world_size(2)
+def test_a_gang_after_it(rank):
+    assert rank in (0, 1)
+
+def test_plain_after_it():
+    pass
+"""
+
+
+def test_a_zygote_that_dies_takes_no_forked_worker_with_it(pytester, run_pytest):
+    """A forked worker outlives the zygote it came from (it is no rank): it goes on, its gangs
+    come from a zygote of its own, and nothing is left after the session."""
+    pytester.makeconftest(ZYGOTE_DIES_CONFTEST)
+    pytester.makepyfile(test_zygote_dies=ZYGOTE_DIES_SUITE)
+    result = run_pytest("-n", "1", *DIST, "--megatron-devices", "cpu:2", "-v")
+    result.assert_outcomes(passed=2)
+    assert "crashed" not in result.stdout.str()
+
+
 WORKER_IDS_SUITE = """
 import os
 

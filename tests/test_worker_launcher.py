@@ -83,6 +83,20 @@ def test_a_launcher_killed_outright_takes_its_worker(zygote) -> None:
         time.sleep(0.05)
 
 
+def test_the_worker_outlives_a_zygote_that_dies(zygote) -> None:
+    """A worker is no rank: the zygote's death leaves it running, and the launcher stays its
+    stand-in until it ends (with 1: nobody is left to say its exit code)."""
+    code = "import os, sys; print(os.getpid(), flush=True); sys.stdin.readline(); print('done')"
+    process = launch(zygote.address, code, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    worker = int(process.stdout.readline())
+    zygote.process.kill()
+    zygote.process.wait()
+    time.sleep(0.5)
+    assert _state(worker) not in ("Z", "gone") and process.poll() is None
+    out, _ = process.communicate("go on\n", timeout=30)
+    assert out.strip() == "done" and process.returncode == 1
+
+
 def test_workers_draw_different_random_numbers(zygote) -> None:
     """As workers started afresh do (a port or a temporary name drawn from a state the forks of
     one zygote shared would collide): `random` and numpy reseed in a forked child."""

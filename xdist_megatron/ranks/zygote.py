@@ -86,7 +86,7 @@ WARM_PER_KEY = 2  # one becomes a rank while the other is still warm: back-to-ba
 
 # The worker launcher imports nothing of ours (it must start in milliseconds), so it and the
 # zygote speak plain tuples: (FORK_WORKER, cwd, environ, code) with its stdin, stdout and stderr
-# as SCM_RIGHTS; ("forked", pid), ("signal", pid, signum) and ("exited", code) after it.
+# as SCM_RIGHTS; ("forked", pid) and ("exited", code) after it.
 FORK_WORKER = "fork-worker"
 WARMED_UP = b"w"  # a warm standby's word to the zygote: its context and NCCL are set up
 
@@ -250,9 +250,6 @@ class Zygote:
         elif isinstance(request, tuple) and request[0] == FORK_WORKER:
             client.launcher = True
             client.send(self._fork_worker(client, *request[1:]))
-        elif isinstance(request, tuple) and request[0] == "signal":
-            if request[1] in client.children:
-                os.kill(request[1], request[2])
         elif isinstance(request, Leave):
             if client is self.owner:
                 self._kill(self.children)
@@ -374,6 +371,7 @@ class Zygote:
         standby, and run the rank; never returns."""
         code = 1
         try:
+            _die_with_zygote()
             self._drop_resources()
             from .rank import run_rank
 
@@ -386,7 +384,8 @@ class Zygote:
 
     def _become_worker(self, cwd: str, environ: dict[str, str], code: str, fds: list[int]) -> None:
         """In the child: drop the zygote's resources and run `code` as `python -u -c code`
-        would have, in the launcher's directory and environment; never returns."""
+        would have, in the launcher's directory and environment; never returns. A worker is
+        no rank: it outlives this zygote (its gangs then come from a zygote of its own)."""
         exit_code = 1
         try:
             self._drop_resources()
@@ -402,7 +401,6 @@ class Zygote:
     def _drop_resources(self) -> None:
         """In a child: what is the zygote's alone (its signal wake-up, sockets and pipes, its
         process group: the child leads one of its own, which its own children join)."""
-        _die_with_zygote()
         os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

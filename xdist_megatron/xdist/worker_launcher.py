@@ -4,8 +4,9 @@ which has imported torch and the suite's packages already, instead of importing 
 execnet runs `LAUNCHER ADDRESS -u -c BOOTSTRAP` and speaks to it over its stdin and stdout. This
 script hands those descriptors (and stderr, its directory and its environment) to the zygote at
 ADDRESS, which forks the worker onto them; then it stays as the worker's stand-in for execnet
-and xdist: it passes on SIGINT and SIGTERM, and exits with the worker's exit code. If the zygote
-cannot fork one, the worker starts as a plain `python -u -c BOOTSTRAP` in its place.
+and xdist: it passes on SIGINT and SIGTERM, and exits with the worker's exit code (1 where the
+zygote died before it could say). If the zygote cannot fork one, the worker starts as a plain
+`python -u -c BOOTSTRAP` in its place.
 
 Run by path with `python -I`: it imports nothing but the standard library, so that it starts in
 milliseconds, and speaks to the zygote in plain tuples (see `ranks/zygote.py`, FORK_WORKER).
@@ -13,11 +14,12 @@ milliseconds, and speaks to the zygote in plain tuples (see `ranks/zygote.py`, F
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 FORK_WORKER = "fork-worker"  # the request's tag; the zygote's twin of this name says why
 
@@ -25,22 +27,36 @@ FORK_WORKER = "fork-worker"  # the request's tag; the zygote's twin of this name
 def main(argv: list[str]) -> int:
     address, python_args = argv[1], argv[2:]
     try:
-        sock, conn, pid = _fork_worker(address, python_args)
+        conn, pid = _fork_worker(address, python_args)
     except (OSError, EOFError, ValueError):
-        sock = None
-    if sock is None:
         os.execv(sys.executable, [sys.executable, *python_args])
     for fd in (0, 1, 2):  # only the worker holds execnet's pipes: its exit closes them
         os.close(fd)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, _frame: conn.send(("signal", pid, signum)))
+    # The worker by a descriptor of its own: a signal never reaches a recycled pid, and the
+    # worker's end is seen also once the zygote, which reaps it, is gone.
     try:
-        while True:
+        worker: int | None = os.pidfd_open(pid)
+    except OSError:  # it has ended already, or the kernel is older than 5.3
+        worker = None
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: _pass_on(worker, pid, signum))
+    while True:
+        try:
             message = conn.recv()
-            if message[0] == "exited":
-                return _exit_as(message[1])
-    except (EOFError, OSError):  # the zygote went, and the worker with it
-        return 1
+        except (EOFError, OSError):  # the zygote died; the worker lives on without it
+            if worker is not None:
+                wait([worker])
+            return 1
+        if message[0] == "exited":
+            return _exit_as(message[1])
+
+
+def _pass_on(worker: int | None, pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it has just ended
+        if worker is None:
+            os.kill(pid, signum)
+        else:
+            signal.pidfd_send_signal(worker, signum)
 
 
 def _exit_as(code: int) -> int:
@@ -52,18 +68,19 @@ def _exit_as(code: int) -> int:
     return code
 
 
-def _fork_worker(address: str, python_args: list[str]) -> tuple[socket.socket, Connection, int]:
-    """Ask the zygote for the worker; (socket, connection, worker pid), or ValueError."""
+def _fork_worker(address: str, python_args: list[str]) -> tuple[Connection, int]:
+    """Ask the zygote for the worker: (the connection it reports the worker's end on, the
+    worker's pid); ValueError where it refused."""
     code = python_args[python_args.index("-c") + 1]
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect("\0" + address)
-    conn = Connection(os.dup(sock.fileno()))
-    conn.send((FORK_WORKER, os.getcwd(), dict(os.environ), code))
-    socket.send_fds(sock, [b"w"], [0, 1, 2])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect("\0" + address)
+        conn = Connection(os.dup(sock.fileno()))
+        conn.send((FORK_WORKER, os.getcwd(), dict(os.environ), code))
+        socket.send_fds(sock, [b"w"], [0, 1, 2])
     reply = conn.recv()
     if reply[0] != "forked":
         raise ValueError(reply)
-    return sock, conn, reply[1]
+    return conn, reply[1]
 
 
 if __name__ == "__main__":
