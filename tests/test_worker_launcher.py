@@ -53,6 +53,26 @@ def test_the_worker_is_forked_onto_the_launchers_pipes(zygote, tmp_path, monkeyp
     assert out.split() == ["hello", str(tmp_path), "seen", "['-c']", "True"]
 
 
+AS_PYTHON_WOULD = """
+import signal, sys
+print(sorted(name for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGPIPE", "SIGXFSZ")
+             if signal.getsignal(getattr(signal, name)) not in (signal.SIG_DFL, None)))
+print(sys.argv, __name__, "__file__" in globals())
+sys.exit("bye")
+"""
+
+
+def test_the_worker_is_what_python_u_c_would_be(zygote) -> None:
+    """Signal dispositions, argv, __main__ and the exit of `sys.exit("bye")`, beside a plain
+    `python -u -c` of the same code."""
+    forked = launch(zygote.address, AS_PYTHON_WOULD, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)  # fmt: skip
+    plain = subprocess.Popen([sys.executable, "-u", "-c", AS_PYTHON_WOULD], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    ours, theirs = forked.communicate(timeout=60), plain.communicate(timeout=60)
+    assert ours == theirs and forked.returncode == plain.returncode == 1, (ours, theirs)
+
+
 @pytest.mark.parametrize(
     ("code", "returncode"),
     [("import sys; sys.exit(3)", 3), ("import os, signal; os.kill(os.getpid(), 9)", -9)],

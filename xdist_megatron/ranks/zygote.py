@@ -486,19 +486,21 @@ def _warm_up(local_rank: int, cuda_env: tuple[tuple[str, str], ...]) -> None:
 
 def _run_as_python(cwd: str, environ: dict[str, str], code: str) -> int:
     """Make this forked process what `python -u -c code` started in `cwd` with `environ` would
-    be (its own __main__, argv, path, unbuffered streams on fds 0-2, default signals), run
-    `code` and the exit handlers as the interpreter's exit would; the exit code."""
+    be (its own __main__, argv, path, streams on fds 0-2, Python's signal handling), run `code`
+    and the exit handlers as the interpreter's exit would; the exit code."""
     import atexit
 
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+    for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):  # as Python's start-up leaves them
+        signal.signal(signum, signal.SIG_IGN)
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
     sys.argv = ["-c"]
     sys.path[0] = ""
     _forget_pytest_plugins()
@@ -507,7 +509,11 @@ def _run_as_python(cwd: str, environ: dict[str, str], code: str) -> int:
         exec(compile(code, "<string>", "exec"), main.__dict__)
         exit_code = 0
     except SystemExit as done:
-        exit_code = done.code if isinstance(done.code, int) else int(done.code is not None)
+        if done.code is None or isinstance(done.code, int):
+            exit_code = done.code or 0
+        else:  # sys.exit("message"): the interpreter prints it and exits with 1
+            print(done.code, file=sys.stderr)
+            exit_code = 1
     except BaseException:
         traceback.print_exc()
         exit_code = 1
