@@ -35,6 +35,23 @@ def start_from_a_plain_shell(monkeypatch: pytest.MonkeyPatch) -> None:
                 monkeypatch.delenv(name)
 
 
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def assert_gone(pids: set[int], within: float = 5.0) -> None:
+    """Wait for `pids` to end (an exiting process lingers briefly after its children went)."""
+    deadline = time.monotonic() + within
+    while left := [pid for pid in pids if alive(pid)]:
+        assert time.monotonic() < deadline, f"still running: {left}"
+        time.sleep(0.05)
+
+
 def processes_tagged(tag: str) -> list[int]:
     """Live processes whose environment carries `tag` (ranks and zygotes inherit it)."""
     needle = f"{TAG_VAR}={tag}".encode()
@@ -45,11 +62,9 @@ def processes_tagged(tag: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 environ = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != b"Z" and needle in environ.split(b"\0"):
+        if needle in environ.split(b"\0") and alive(int(entry)):
             found.append(int(entry))
     return found
 

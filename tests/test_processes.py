@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_no_processes_left
+from conftest import assert_gone, assert_no_processes_left
 
 FACTS_MODULE = """
 import json, os, sys
@@ -74,23 +74,6 @@ def test_blocks(rank):
 def read_facts(folder: Path, name: str) -> list[dict]:
     path = folder / f"{name}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
-def assert_gone(pids: set[int], within: float = 5.0) -> None:
-    """Wait for `pids` to end (an exiting process lingers briefly after its children went)."""
-    deadline = time.monotonic() + within
-    while left := [pid for pid in pids if alive(pid)]:
-        assert time.monotonic() < deadline, f"still running: {left}"
-        time.sleep(0.05)
 
 
 def gang_pids(facts: list[dict]) -> set[int]:

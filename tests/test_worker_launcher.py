@@ -5,7 +5,6 @@ SIGTERM reaches it, and a launcher killed outright takes the worker with it."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import assert_no_processes_left
+from conftest import alive, assert_gone, assert_no_processes_left
 
 from xdist_megatron.driver.zygote_client import ZygoteClient, shared_address
 from xdist_megatron.xdist.hooks import LAUNCHER
@@ -97,10 +96,7 @@ def test_a_launcher_killed_outright_takes_its_worker(zygote) -> None:
     worker = int(process.stdout.readline())
     process.kill()
     process.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z":
-        assert time.monotonic() < deadline, "the worker outlived its launcher"
-        time.sleep(0.05)
+    assert_gone({worker}, within=10)
 
 
 def test_the_worker_outlives_a_zygote_that_dies(zygote) -> None:
@@ -112,7 +108,7 @@ def test_the_worker_outlives_a_zygote_that_dies(zygote) -> None:
     zygote.process.kill()
     zygote.process.wait()
     time.sleep(0.5)
-    assert _state(worker) not in ("Z", "gone") and process.poll() is None
+    assert alive(worker) and process.poll() is None
     out, _ = process.communicate("go on\n", timeout=30)
     assert out.strip() == "done" and process.returncode == 1
 
@@ -132,11 +128,3 @@ def test_without_a_zygote_the_worker_starts_as_plain_python(tag: str) -> None:
     process = launch("no-such-zygote", "import sys; print(sys.argv)", stdout=subprocess.PIPE)
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 0 and out.strip() == "['-c']"
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
