@@ -568,7 +568,7 @@ def _reset_rng_tracker(module: ModuleType | None) -> None:
         module._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
 
 
-# --- Transformer Engine ------------------------------------------------------------------------
+# --- Transformer Engine --------------------------------------------------------------------------
 
 _TE_FP8_STATE_MODULES = (
     "transformer_engine.pytorch.quantization",
@@ -578,18 +578,18 @@ _TE_ATTENTION_MODULES = (
     "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention",
     "transformer_engine.pytorch.attention",
 )
+_TE_UB_MODULE = "transformer_engine.pytorch.module.base"
+_TE_DISTRIBUTED_MODULE = "transformer_engine.pytorch.distributed"
+_TE_GRAPH_MODULE = "transformer_engine.pytorch.graph"
 # Before the process groups go: the symmetric-memory pool and EP buffers use their communicators.
 _TE_RESETS = (
     ("transformer_engine.pytorch.ep", "ep_finalize"),
-    ("transformer_engine.pytorch.distributed", "release_symm_mem_pool"),
+    (_TE_DISTRIBUTED_MODULE, "release_symm_mem_pool"),
 )
 # Left alone (TE 2.20.2): the class `__call__` a make_graphed_callables that raised leaves patched
 # (undoing it means reading the patch's closure); the ALiBi cache and TE's debug state (neither
 # used by Megatron's tests); fusions registered on the op fuser; what TE reads from the
 # environment at import (only a re-import would read it again); caches of tensors (memory only).
-_TE_UB_MODULE = "transformer_engine.pytorch.module.base"
-_TE_DISTRIBUTED_MODULE = "transformer_engine.pytorch.distributed"
-_TE_GRAPH_MODULE = "transformer_engine.pytorch.graph"
 
 
 def _teardown_transformer_engine() -> None:

@@ -304,10 +304,8 @@ class Zygote:
                 if pid == 0:
                     self._become_rank(lambda spec=spec, fd=fd: (spec, fd))
             os.close(fd)
-            self.children.add(pid)
-            client.children.add(pid)
+            self._adopt(client, pid)
             client.ranks[pid] = (spec.rank, spec.world_size)
-            self.owner_of[pid] = client
             pids.append(pid)
         return Forked(pids)
 
@@ -326,10 +324,14 @@ class Zygote:
             self._become_worker(cwd, environ, code, fds)
         for fd in fds:
             os.close(fd)
+        self._adopt(client, pid)
+        return ("forked", pid)
+
+    def _adopt(self, client: Client, pid: int) -> None:
+        """A child forked for `client`: reaped here, reported to it, killed when it goes."""
         self.children.add(pid)
         client.children.add(pid)
         self.owner_of[pid] = client
-        return ("forked", pid)
 
     def _take_standby(self, key: WarmKey | None) -> Standby | None:
         """For `key`: a standby warm for it (one done warming up first), else a cold one; a
