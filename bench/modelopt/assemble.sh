@@ -15,7 +15,8 @@
 # `modelopt/__init__.py` reads its version from the nvidia-modelopt distribution's metadata: a
 # dist-info in site/ with only METADATA stands in for the editable install (version as
 # `git describe` gives it). The glue: conftest.py and modelopt_glue.py of this folder,
-# bench/stream_reports.py, gang_pool.py of examples/pool_adapter (unchanged).
+# bench/stream_reports.py, gang_pool.py and conftest.py (as pool_adapter.py) of
+# examples/pool_adapter, unchanged.
 # WHEELs go to OUT/wheels (fetch_wheels.sh; megatron-core's from bench/out/megatron_full/wheels).
 set -euo pipefail
 
@@ -56,6 +57,7 @@ printf 'bench/modelopt/assemble.sh (source tree, not installed)\n' >"$info/INSTA
 
 cp "$HERE"/{conftest.py,modelopt_glue.py} "$HERE/../stream_reports.py" "$OUT/"
 cp "$REPO/examples/pool_adapter/gang_pool.py" "$OUT/"
+cp "$REPO/examples/pool_adapter/conftest.py" "$OUT/pool_adapter.py"  # its table and marking hook
 echo "$REV" >"$OUT/REVISION"
 echo "$REV" >"$OUT/site/REVISION"
 

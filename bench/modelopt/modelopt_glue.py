@@ -21,15 +21,6 @@ import pytest
 PLUGIN = "xdist_megatron.plugin"  # the plugin's pytest11 entry point (xdist-megatron's pyproject)
 POOL_LOG = "MODELOPT_POOL_LOG"  # where upstream's pool starts are logged, one JSON line each
 
-# Upstream's pool fixtures (tests/gpu_megatron/conftest.py) and their world sizes; "all" is every
-# device of the run, as upstream's `dist_workers` is `torch.cuda.device_count()` workers.
-POOL_SIZES: dict[str, int | str] = {
-    "dist_workers": "all",
-    "dist_workers_size_1": 1,
-    "dist_workers_size_2": 2,
-    "dist_workers_size_4": 4,
-}
-
 
 def megatron_worker_teardown(rank: int, world_size: int) -> None:
     """Upstream's `megatron_worker_teardown` (tests/gpu_megatron/conftest.py at a2fbac7ba), line
@@ -63,8 +54,8 @@ class ModeloptGangPool:
     per-run teardown, and the pool's `world_size` (test_megatron.py reads it)."""
 
     def __init__(self, gang: Any) -> None:
-        # examples/pool_adapter/gang_pool.py, copied unchanged; imported here, so that a run with
-        # the plugin disabled does not import xdist_megatron
+        # examples/pool_adapter/gang_pool.py, copied unchanged; imported here (as pool_adapter.py
+        # is where it is used), so that a run with the plugin disabled imports no xdist_megatron
         from gang_pool import GangPool
 
         self._pool = GangPool(gang, teardown_fn=megatron_worker_teardown)
@@ -88,27 +79,23 @@ def _pool_fixture(name: str) -> Any:
     return pool
 
 
-POOL_FIXTURES = {name: _pool_fixture(name) for name in POOL_SIZES}
-
-
 def serve_pools_from_gangs(conftest: Any) -> None:
-    """Replace the pool fixtures of upstream's conftest module (before pytest parses it); its
+    """Replace the pool fixtures of upstream's conftest module (before pytest parses it), those
+    of the recipe's table (examples/pool_adapter/conftest.py, copied as pool_adapter.py); its
     other fixtures (tiny_tokenizer_path, _prebuild_quant_cuda_extensions, _pool_cache) stay."""
-    for name, fixture in POOL_FIXTURES.items():
+    from pool_adapter import POOL_SIZES
+
+    for name in POOL_SIZES:
         if not hasattr(conftest, name):
             raise pytest.UsageError(f"{conftest.__file__} has no fixture {name}: update the glue")
-        setattr(conftest, name, fixture)
+        setattr(conftest, name, _pool_fixture(name))
 
 
 def mark_pool_tests(items: list[pytest.Item]) -> None:
-    """A test that takes a pool fixture gets the pool's world size (before the plugin, which
-    assigns world sizes last)."""
-    for item in items:
-        sizes = [
-            POOL_SIZES[name] for name in getattr(item, "fixturenames", ()) if name in POOL_SIZES
-        ]
-        if sizes and item.get_closest_marker("world_size") is None:
-            item.add_marker(pytest.mark.world_size(sizes[0]))
+    """A test that takes a pool fixture gets the pool's world size: the recipe's own hook."""
+    from pool_adapter import pytest_collection_modifyitems
+
+    pytest_collection_modifyitems(items)
 
 
 def count_pool_starts() -> None:

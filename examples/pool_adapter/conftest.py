@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that takes a pool fixture gets the pool's world size (before the plugin, which
     assigns world sizes last)."""
     for item in items:
-        sizes = [POOL_SIZES[name] for name in item.fixturenames if name in POOL_SIZES]
+        names = getattr(item, "fixturenames", ())  # a doctest item has none
+        sizes = [POOL_SIZES[name] for name in names if name in POOL_SIZES]
         if sizes and item.get_closest_marker("world_size") is None:
             item.add_marker(pytest.mark.world_size(sizes[0]))
 
