@@ -95,6 +95,46 @@ def test_a_preload_that_initialises_cuda_is_left_to_gpu_ranks(
     on_cpu.stdout.fnmatch_lines(["*imported by the zygote*"])
 
 
+SEVERAL_CUDA_AT_IMPORT_SUITE = """
+import os
+import pytest
+import plain_lib, cuda_lib_a, cuda_lib_b
+
+@pytest.mark.world_size(1)
+def test_where_imported():
+    for lib in (plain_lib, cuda_lib_a, cuda_lib_b):
+        parent = lib.IMPORTED_BY == os.getppid()
+        print(lib.__name__, "imported by the", "zygote" if parent else "rank")
+"""
+
+
+def test_modules_that_initialise_cuda_cost_one_replacement_zygote_then_none(
+    pytester: pytest.Pytester, run_pytest, tmp_path_factory, monkeypatch
+) -> None:
+    """However many preloads initialise CUDA, one replacement zygote (which tries each in a fork
+    first) leaves them all to the ranks and still preloads the rest; the next session remembers
+    them (pytest cache) and does not try them again."""
+    vendored = tmp_path_factory.mktemp("vendored")
+    for name in ("cuda_lib_a", "cuda_lib_b"):
+        (vendored / f"{name}.py").write_text(CUDA_AT_IMPORT_LIBS["torch"])
+    (vendored / "plain_lib.py").write_text("import os\n\nIMPORTED_BY = os.getpid()\n")
+    monkeypatch.setenv("PYTHONPATH", str(vendored), prepend=os.pathsep)
+    pytester.makepyfile(test_several=SEVERAL_CUDA_AT_IMPORT_SUITE)
+    imported = [
+        "*plain_lib imported by the zygote*",
+        "*cuda_lib_a imported by the rank*",
+        "*cuda_lib_b imported by the rank*",
+    ]
+    first = run_pytest("-s", "--megatron-timeout", "120", gpus=True, cache=True)
+    first.assert_outcomes(passed=1)
+    first.stdout.fnmatch_lines(imported)
+    assert first.stdout.str().count("replaced it with one that tries each preload") == 1
+    second = run_pytest("-s", "--megatron-timeout", "120", gpus=True, cache=True)
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(imported)
+    assert "initialised CUDA" not in second.stdout.str()
+
+
 FAULTS = """
 import pytest, torch, torch.distributed as dist
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_gone, assert_no_processes_left
 
+from xdist_megatron.driver.zygote_client import ZygoteClient
+
 FACTS_MODULE = """
 import json, os, sys
 
@@ -530,3 +532,35 @@ def test_the_zygote_module_runs_once(pytester, run_pytest):
     result = run_pytest("-s", "--megatron-timeout", "60")
     result.assert_outcomes(passed=1)
     assert "found in sys.modules" not in result.stderr.str() + result.stdout.str()
+
+
+RECORDS_ITS_IMPORTER = """
+import os
+
+with open(os.environ["IMPORTERS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+"""
+
+
+def test_a_careful_zygote_tries_its_preloads_in_forks_it_reaps(tag, tmp_path, monkeypatch) -> None:
+    """The zygote that replaces one a preload spoilt for GPUs imports each preload in a fork
+    first. On CPU no import initialises CUDA, so every module is then imported for real, a
+    broken one is reported as before, and no trial fork outlives its import."""
+    (tmp_path / "records_its_importer.py").write_text(RECORDS_ITS_IMPORTER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
+    importers = tmp_path / "importers"
+    monkeypatch.setenv("IMPORTERS", str(importers))
+    client = ZygoteClient(
+        ["records_its_importer", "no_such_module_here"], None, cuda=True, careful=True
+    )
+    try:
+        failures = client.preload_failures
+        assert list(failures) == ["no_such_module_here"]
+        assert "ModuleNotFoundError" in failures["no_such_module_here"]
+        assert not client.breaks_cuda
+        trial, real = importers.read_text().split()
+        assert int(real) == client.pid and int(trial) != client.pid
+        assert_gone({int(trial)})
+    finally:
+        client.close()
+    assert_no_processes_left(tag)

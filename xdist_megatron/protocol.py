@@ -26,6 +26,8 @@ DEVICES_VAR = "XDIST_MEGATRON_DEVICES"  # the gang's block of devices ("2,3"), o
 WORKER_VAR = "XDIST_MEGATRON_WORKER"  # an xdist worker's index, in its spec: replacements keep it
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's config is made
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# A preload's failure where the ranks use GPUs: the driver remembers such modules (preload.py)
+CUDA_AT_IMPORT = "initialised CUDA at import; forked ranks could not use the GPU"
 
 # --- xdist: the workerinput key, and the attribute a worker's report carries to the controller -
 

@@ -11,7 +11,16 @@ from contextlib import contextmanager
 from typing import IO
 
 from .. import placement
-from ..protocol import DIED, FAILED, STUCK, GangEvent, Job, RankResult, ResetJob
+from ..protocol import (
+    CUDA_AT_IMPORT,
+    DIED,
+    FAILED,
+    STUCK,
+    GangEvent,
+    Job,
+    RankResult,
+    ResetJob,
+)
 from .gang import Gang, GangError
 from .locks import DeviceLocks
 from .zygote_client import ForkRefused, ZygoteClient, describe_exit
@@ -43,6 +52,7 @@ class GangPool:
         self.backend = backend
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
+        self.cuda_at_import: set[str] = set()  # preloads left to GPU ranks: not tried again
         self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
         self.gang_names: dict[int, str] = {}  # world size -> the current gang's name, "ws2#1"
         self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
@@ -244,16 +254,21 @@ class GangPool:
             self._zygote = None
         self._started_early = False
 
-    def _spawn(self, preload: list[str]) -> ZygoteClient:
-        """Join the shared zygote on first use; else (or once it failed) start our own."""
-        if self._host_zygote is not None:
+    def _spawn(self, preload: list[str], careful: bool = False) -> ZygoteClient:
+        """Join the shared zygote on first use; else (or once it failed) start our own;
+        `careful` where a preload spoilt the last one (see ranks/zygote.preload)."""
+        if self._host_zygote is not None and not careful:
             address, self._host_zygote = self._host_zygote, None
             try:
                 return ZygoteClient.connect(address, preload, self._name)
             except OSError as exc:
                 self.notes.append(f"the shared zygote did not answer ({exc}); started our own")
         return ZygoteClient(
-            preload, self._log_file(), standby=self._largest_size(), cuda=self.devices.is_cuda
+            preload,
+            self._log_file(),
+            standby=self._largest_size(),
+            cuda=self.devices.is_cuda,
+            careful=careful,
         )
 
     def _live_zygote(self) -> ZygoteClient:
@@ -272,11 +287,18 @@ class GangPool:
                 self.notes += [
                     f"megatron_preload: {m}: {why}" for m, why in failures.items() if m in wanted
                 ]
+            self.cuda_at_import.update(m for m, why in failures.items() if why == CUDA_AT_IMPORT)
             poisoned = zygote.breaks_cuda
             if not poisoned:
                 return zygote
+            self.cuda_at_import.update(poisoned)  # another driver's, where the zygote is shared
+            self.notes.append(
+                f"the zygote's preload of {', '.join(poisoned)} initialised CUDA: replaced it with"
+                " one that tries each preload in a fork first"
+            )
             zygote.close()
-            self._zygote = self._spawn([m for m in zygote.preload if m not in poisoned])
+            remaining = [m for m in zygote.preload if m not in poisoned]
+            self._zygote = self._spawn(remaining, careful=True)
 
     def _log_file(self) -> IO[bytes] | None:
         if not self._quiet:

@@ -3,6 +3,8 @@ installed or the project's own, never test code (the zygote imports no test modu
 or helper beside them: each rank imports those itself, in its own session, after its conftest
 files); `megatron_preload` where the ini sets it; and what the last session detected, kept in the
 pytest cache so that the next zygote can start importing before collection instead of after it.
+Where ranks use GPUs, the modules an earlier session's zygote found to initialise CUDA at import
+(kept in the cache too) are left to the ranks: each would cost the session a replacement zygote.
 
 The project's own code counts as a library where it lies outside every test folder (a folder
 holding a conftest file or a test module, by `python_files`) and no package on its dotted path is
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import json
 import os
 import sys
 import sysconfig
@@ -25,6 +28,7 @@ import pytest
 
 ALWAYS_PRELOAD = ("torch", "torch.distributed")
 CACHE_KEY = "xdist_megatron/preload"
+CUDA_AT_IMPORT_KEY = "xdist_megatron/cuda_at_import"
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
 
 
@@ -32,10 +36,13 @@ class Preloadable:
     """Sorts imported modules into library code (preloadable) and test code; learns the test
     folders from the modules it is shown (`note`) before it is asked about them."""
 
-    def __init__(self, rootdir: str, python_files: list[str]) -> None:
+    def __init__(
+        self, rootdir: str, python_files: list[str], left_to_ranks: Iterable[str] = ()
+    ) -> None:
         self.rootdir = os.path.realpath(rootdir)
         self.patterns = [*python_files, "conftest.py"]
         self.test_dirs: set[str] = set()
+        self.left_to_ranks = set(left_to_ranks)  # they initialise CUDA at import
 
     def note(self, modules: Iterable[Any]) -> None:
         """Test modules and conftest files among `modules` make their folders test folders."""
@@ -48,7 +55,7 @@ class Preloadable:
         """The module if it is library code; for a namespace package (`import megatron.core`
         binds `megatron`, which has no file), its imported library children. Not a script run
         as `__main__`, nor a module registered under another name than its own."""
-        if module_name.partition(".")[0] in NOT_PRELOADED:
+        if module_name.partition(".")[0] in NOT_PRELOADED or self.initialises_cuda(module_name):
             return set()
         module = sys.modules.get(module_name)
         if getattr(module, "__name__", None) != module_name or module_name.startswith("__"):
@@ -63,6 +70,11 @@ class Preloadable:
             and name.count(".") == depth
             and self.is_library(child)
         }
+
+    def initialises_cuda(self, module_name: str) -> bool:
+        """Whether importing it imports a module known to initialise CUDA: itself or a parent."""
+        parts = module_name.split(".")
+        return any(".".join(parts[:n]) in self.left_to_ranks for n in range(1, len(parts) + 1))
 
     def is_library(self, module: Any) -> bool:
         """Installed code (site-packages, or a folder outside the project and the standard
@@ -106,22 +118,27 @@ def preloadable_of(config: pytest.Config) -> Preloadable:
     """The session's one judge of what the zygote may import (it learns the test folders)."""
     if PRELOADABLE not in config.stash:
         rootdir = str(config.rootpath)
-        config.stash[PRELOADABLE] = Preloadable(rootdir, config.getini("python_files"))
+        config.stash[PRELOADABLE] = Preloadable(
+            rootdir, config.getini("python_files"), cuda_at_import(config)
+        )
     return config.stash[PRELOADABLE]
 
 
 def for_session(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """megatron_preload, or the library modules the collected test modules imported (what
     the import follower sent besides is not asked again)."""
-    found = config.getini("megatron_preload") or preloadable_of(config).imported_by(items)
-    return with_base(found)
+    judge = preloadable_of(config)
+    found = config.getini("megatron_preload") or judge.imported_by(items)
+    return with_base([m for m in found if not judge.initialises_cuda(m)])
 
 
 def known_early(config: pytest.Config) -> list[str] | None:
     """The preloads known before collection: megatron_preload, else what the last session that
     ran gangs detected; None when neither says gangs will run."""
     known = config.getini("megatron_preload") or remembered(config)
-    return None if known is None else with_base(known)
+    if known is None:
+        return None
+    return with_base([m for m in known if not preloadable_of(config).initialises_cuda(m)])
 
 
 def remembered(config: pytest.Config) -> list[str] | None:
@@ -141,6 +158,39 @@ def remember(config: pytest.Config, modules: list[str]) -> None:
     detected = [m for m in modules if m not in ALWAYS_PRELOAD]
     if cache is not None and remembered(config) != detected:
         cache.set(CACHE_KEY, detected)
+
+
+def cuda_at_import(config: pytest.Config) -> list[str]:
+    """The modules earlier sessions' zygotes found to initialise CUDA at import; none where the
+    ranks run on CPUs, which never touch CUDA."""
+    if (config.getoption("megatron_devices", None) or "").startswith("cpu"):
+        return []
+    value = _cached(config, CUDA_AT_IMPORT_KEY)
+    return [m for m in value if isinstance(m, str)] if isinstance(value, list) else []
+
+
+def _cached(config: pytest.Config, key: str) -> object:
+    """A value of the pytest cache, also before the cache plugin is configured (the import
+    follower asks while the conftest files import): then read where that plugin keeps it."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        return cache.get(key, None)
+    if not config.pluginmanager.has_plugin("cacheprovider"):
+        return None
+    try:
+        folder = config.rootpath / os.path.expandvars(config.getini("cache_dir"))
+        return json.loads((folder / "v" / key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def remember_cuda_at_import(config: pytest.Config, modules: Iterable[str]) -> None:
+    """Add this session's findings for the next sessions (xdist workers each add theirs)."""
+    cache = getattr(config, "cache", None)
+    known = cuda_at_import(config)
+    new = set(modules) - set(known)
+    if cache is not None and new:
+        cache.set(CUDA_AT_IMPORT_KEY, sorted({*known, *new}))
 
 
 def with_base(modules: list[str]) -> list[str]:

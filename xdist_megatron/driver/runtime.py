@@ -313,6 +313,7 @@ class Runtime:
             early.close(at_once)
         if self._pool is not None:
             self._notes += self._pool.notes
+            preload.remember_cuda_at_import(self.config, self._pool.cuda_at_import)
             self._pool.close(at_once)
             self._pool = None
         if self._host_zygote is not None:

@@ -53,9 +53,11 @@ class ZygoteClient:
         standby: int = 0,
         address: str | None = None,
         cuda: bool = True,
+        careful: bool = False,
     ) -> None:
         """Start a zygote; with `address`, it also accepts `connect` from other drivers. `cuda`:
-        whether its ranks will use CUDA (only then may a preload not touch the CUDA driver)."""
+        whether its ranks will use CUDA (only then may a preload not touch the CUDA driver);
+        `careful`: it replaces one that a preload spoilt, so it tries each preload first."""
         self.cuda = cuda
         ours, theirs = socket.socketpair()
         coverage = rank_coverage.driver_target()
@@ -64,6 +66,7 @@ class ZygoteClient:
             "standby": standby,
             "address": address,
             "cuda": cuda,
+            "careful": careful,
             "coverage": dataclasses.asdict(coverage) if coverage else None,
         }
         command = [

@@ -1,12 +1,13 @@
 """The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
 
 Started by its owner as `python -m xdist_megatron.ranks.zygote FD OPTIONS_JSON`, with FD one end of
-a socket pair and the options `preload`, `standby`, `address`, `cuda` and `coverage` (a measured
-owner's CoverageTarget: the preloads are measured and published for it); with an address it also
-listens on that abstract Unix socket for more drivers (the workers of an xdist run share the
+a socket pair and the options `preload`, `standby`, `address`, `cuda`, `careful` and `coverage` (a
+measured owner's CoverageTarget: the preloads are measured and published for it); with an address it
+also listens on that abstract Unix socket for more drivers (the workers of an xdist run share the
 controller's zygote: one import of the heavy packages per host instead of one per worker). It
 never initialises CUDA, so its forks can; where the ranks will use CUDA, a preload that touched
-the CUDA driver is dropped.
+the CUDA driver is dropped: the zygote that replaces a spoilt one (`careful`) tries each preload
+in a throwaway fork first.
 Requests arrive on each driver's socket; the rank ends of the ranks' socket pairs arrive with a
 "fork" request as SCM_RIGHTS ancillary data. It reports each rank's exit (code or signal) to its
 driver as soon as it reaps it, kills a driver's ranks when that driver goes, and every child when
@@ -41,6 +42,7 @@ from typing import Any
 
 from ..coverage import rank_coverage
 from ..protocol import (
+    CUDA_AT_IMPORT,
     ZYGOTE_VAR,
     CoverageTarget,
     DriverLeft,
@@ -60,6 +62,7 @@ WARM_POOL = "TORCH_WARM_POOL"
 PR_SET_PDEATHSIG = 1
 CUDA_DRIVER = "libcuda.so.1"
 OWNER_POLL = 0.2  # seconds between the checks that the owner is still there
+TRIAL_BREAKS_CUDA = 3  # a trial import's exit code: that module initialised CUDA
 
 # What every rank needs, imported once here instead of once per rank.
 BASE_PRELOAD = (
@@ -114,9 +117,23 @@ class Standby:
         return bool(select.select([self.control], [], [], 0)[0])
 
 
-def preload(modules: list[str], cuda: bool) -> tuple[dict[str, str], list[str]]:
+def preload(
+    modules: list[str], cuda: bool, careful: bool = False
+) -> tuple[dict[str, str], list[str]]:
     """Import each module; return ({name: error} for those that failed, [the module that, where
-    the ranks will use CUDA, made forking unsafe for it]); the imports stop at such a module."""
+    the ranks will use CUDA, made forking unsafe for it]); the imports stop at such a module.
+    `careful` (a zygote that replaces one a preload spoilt): past the base preloads, each module
+    is first imported in a throwaway fork, and those that initialise CUDA there are left to the
+    ranks, so that one replacement serves however many such modules a suite has."""
+    if cuda and careful:
+        base = [m for m in modules if m in BASE_PRELOAD]
+        failures, breaks_cuda = preload(base, cuda)
+        if breaks_cuda:
+            return failures, breaks_cuda
+        rest = [m for m in modules if m not in BASE_PRELOAD]
+        left_to_ranks = _initialise_cuda(rest)
+        more, breaks_cuda = preload([m for m in rest if m not in left_to_ranks], cuda)
+        return {**failures, **more, **dict.fromkeys(left_to_ranks, CUDA_AT_IMPORT)}, breaks_cuda
     failures: dict[str, str] = {}
     for name in modules:
         try:
@@ -125,9 +142,42 @@ def preload(modules: list[str], cuda: bool) -> tuple[dict[str, str], list[str]]:
             failures[name] = f"{type(exc).__name__}: {exc}"
             continue
         if cuda and not _fork_keeps_cuda_usable():
-            failures[name] = "initialised CUDA at import; forked ranks could not use the GPU"
+            failures[name] = CUDA_AT_IMPORT
             return failures, [name]
     return failures, []
+
+
+def _initialise_cuda(modules: list[str]) -> set[str]:
+    """The modules whose import, in a fork of this process, leaves no fork able to use CUDA;
+    tried side by side, one fork per core (each imports what it needs of the suite's stack)."""
+    found: set[str] = set()
+    pending = [m for m in modules if m not in sys.modules]
+    running: dict[int, str] = {}
+    while pending or running:
+        while pending and len(running) < len(os.sched_getaffinity(0)):
+            name = pending.pop(0)
+            pid = os.fork()
+            if pid == 0:
+                _exit_after_trial(name)
+            running[pid] = name
+        pid = next(iter(running))  # the oldest: never os.wait(), which could reap a rank
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) == TRIAL_BREAKS_CUDA:
+            found.add(running[pid])
+        del running[pid]
+    return found
+
+
+def _exit_after_trial(name: str) -> None:
+    """In a throwaway fork: import `name` and exit saying whether CUDA is still usable after."""
+    code = 0
+    try:
+        importlib.import_module(name)
+        if not _fork_keeps_cuda_usable():
+            code = TRIAL_BREAKS_CUDA
+    except BaseException:  # the real import reports the error
+        pass
+    os._exit(code)
 
 
 def _fork_keeps_cuda_usable() -> bool:
@@ -192,9 +242,15 @@ class Zygote:
     controller's zygote). A driver that disconnects takes its ranks with it; the owner, all."""
 
     def __init__(
-        self, fd: int, standby_target: int, listener: socket.socket | None, cuda: bool
+        self,
+        fd: int,
+        standby_target: int,
+        listener: socket.socket | None,
+        cuda: bool,
+        careful: bool = False,
     ) -> None:
         self.cuda = cuda  # whether the ranks will use CUDA, so forks must keep it usable
+        self.careful = careful  # try each preload in a fork first (see preload())
         self.breaks_cuda: list[str] = []  # preloads after which no fork could use a GPU
         self.owner = Client(socket.socket(fileno=fd))
         self.clients = [self.owner]
@@ -259,7 +315,9 @@ class Zygote:
 
     def preload_for(self, client: Client, modules: list[str]) -> None:
         """Import `modules` for every later fork, and tell `client` how that went."""
-        failures, breaks_cuda = preload([m for m in modules if m not in sys.modules], self.cuda)
+        failures, breaks_cuda = preload(
+            [m for m in modules if m not in sys.modules], self.cuda, self.careful
+        )
         rank_coverage.publish()
         # Everything imported so far lives as long as every rank: keep it out of every later
         # gc.collect() (the per-test cleanup collects) and out of copy-on-write faults.
@@ -596,7 +654,9 @@ def main(argv: list[str]) -> int:
         listener.listen(128)
     coverage = options.get("coverage")
     rank_coverage.measure(CoverageTarget(**coverage) if coverage else None, "zygote")
-    zygote = Zygote(fd, options["standby"], listener, options["cuda"])
+    zygote = Zygote(
+        fd, options["standby"], listener, options["cuda"], options.get("careful", False)
+    )
     zygote.preload_for(zygote.owner, modules)  # one that breaks CUDA: the owner starts another
     zygote.serve()
     return 0
