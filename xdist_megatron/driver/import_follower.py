@@ -21,7 +21,7 @@ import pytest
 
 from ..protocol import DIST_MODE, XDIST_WORKER_VAR, on_gang_rank, under_torchrun
 from . import zygote_client
-from .preload import Preloadable, preloadable_of, with_base
+from .preload import Preloadable, gpus_likely, preloadable_of, with_base
 from .zygote_client import ZygoteClient
 
 POLL_SECONDS = 0.05
@@ -41,9 +41,7 @@ def follow_imports(config: pytest.Config) -> ImportFollower | None:
     log = os.path.join(session_dir, zygote_client.HOST_ZYGOTE_LOG)
     log = log if known.capture != "no" else None
     address = zygote_client.shared_address() if controller else None
-    devices = known.megatron_devices
-    # Without importing torch (it is being imported now): GPUs are likely if the driver is there.
-    cuda = not (devices or "").startswith("cpu") and os.path.exists("/dev/nvidiactl")
+    cuda = gpus_likely(known.megatron_devices)
 
     def start(modules: list[str]) -> ZygoteClient:
         return zygote_client.spawn(with_base(modules), log, address, cuda)

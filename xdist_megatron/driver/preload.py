@@ -163,7 +163,7 @@ def remember(config: pytest.Config, modules: list[str]) -> None:
 def cuda_at_import(config: pytest.Config) -> list[str]:
     """The modules earlier sessions' zygotes found to initialise CUDA at import; none where the
     ranks run on CPUs, which never touch CUDA."""
-    if (config.getoption("megatron_devices", None) or "").startswith("cpu"):
+    if not gpus_likely(getattr(config.known_args_namespace, "megatron_devices", None)):
         return []
     value = _cached(config, CUDA_AT_IMPORT_KEY)
     return [m for m in value if isinstance(m, str)] if isinstance(value, list) else []
@@ -191,6 +191,12 @@ def remember_cuda_at_import(config: pytest.Config, modules: Iterable[str]) -> No
     new = set(modules) - set(known)
     if cache is not None and new:
         cache.set(CUDA_AT_IMPORT_KEY, sorted({*known, *new}))
+
+
+def gpus_likely(devices: str | None) -> bool:
+    """Whether the ranks will use GPUs, asked without importing torch (the conftest files may be
+    importing it now): --megatron-devices is not CPU mode and the driver is there."""
+    return not (devices or "").startswith("cpu") and os.path.exists("/dev/nvidiactl")
 
 
 def with_base(modules: list[str]) -> list[str]:
