@@ -9,7 +9,6 @@ written (merged: this run's tests replace their entries, the others stay) with
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from ..protocol import write_json
+from . import early_cache
 
 CACHE_KEY = "xdist_megatron/durations"
 SIZES_KEY = "xdist_megatron/world_sizes"  # the last run's (unmarked: 1), for -n auto
@@ -117,20 +117,9 @@ def _cached(config: pytest.Config) -> dict[str, float]:
 
 
 def cached_world_sizes(config: pytest.Config) -> set[int]:
-    """The world sizes of the last run's tests, read from the pytest cache's folder before the
-    cache plugin has configured itself (`-n auto` is decided that early); none without a cache,
-    with --cache-clear, or when what is there is not a list of sizes."""
-    try:
-        folder = Path(os.path.expandvars(config.getini("cache_dir")))
-    except ValueError:  # -p no:cacheprovider: no such ini
-        return set()
-    if config.getoption("cacheclear", False):
-        return set()
-    path = (config.rootpath / folder) / "v" / SIZES_KEY
-    try:
-        sizes = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return set()
+    """The world sizes of the last run's tests, read before the cache plugin has configured
+    itself (`-n auto` is decided that early); none when what is there is not a list of sizes."""
+    sizes = early_cache.value(config, SIZES_KEY)
     if not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes):
         return set()
     return set(sizes)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import json
 import os
 import sys
 import sysconfig
@@ -25,6 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+
+from ..ci import early_cache
 
 ALWAYS_PRELOAD = ("torch", "torch.distributed")
 CACHE_KEY = "xdist_megatron/preload"
@@ -165,23 +166,8 @@ def cuda_at_import(config: pytest.Config) -> list[str]:
     ranks run on CPUs, which never touch CUDA."""
     if not gpus_likely(getattr(config.known_args_namespace, "megatron_devices", None)):
         return []
-    value = _cached(config, CUDA_AT_IMPORT_KEY)
+    value = early_cache.value(config, CUDA_AT_IMPORT_KEY)
     return [m for m in value if isinstance(m, str)] if isinstance(value, list) else []
-
-
-def _cached(config: pytest.Config, key: str) -> object:
-    """A value of the pytest cache, also before the cache plugin is configured (the import
-    follower asks while the conftest files import): then read where that plugin keeps it."""
-    cache = getattr(config, "cache", None)
-    if cache is not None:
-        return cache.get(key, None)
-    if not config.pluginmanager.has_plugin("cacheprovider"):
-        return None
-    try:
-        folder = config.rootpath / os.path.expandvars(config.getini("cache_dir"))
-        return json.loads((folder / "v" / key).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def remember_cuda_at_import(config: pytest.Config, modules: Iterable[str]) -> None:
