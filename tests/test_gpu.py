@@ -128,11 +128,16 @@ def test_modules_that_initialise_cuda_cost_one_replacement_zygote_then_none(
     first = run_pytest("-s", "--megatron-timeout", "120", gpus=True, cache=True)
     first.assert_outcomes(passed=1)
     first.stdout.fnmatch_lines(imported)
-    assert first.stdout.str().count("replaced it with one that tries each preload") == 1
+    replaced = "replaced it with one that tries each preload"
+    assert first.stdout.str().count(replaced) == 1
+    first.stdout.fnmatch_lines([f"*preload of cuda_lib_a initialised CUDA: {replaced}*"])
+    # the replacement's trial found cuda_lib_b, not the spoilt zygote's next import
+    first.stdout.fnmatch_lines(["*megatron_preload: cuda_lib_b: initialised CUDA at import*"])
     second = run_pytest("-s", "--megatron-timeout", "120", gpus=True, cache=True)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines(imported)
     assert "initialised CUDA" not in second.stdout.str()
+    second.stdout.fnmatch_lines(["*not preloaded, as earlier sessions*: cuda_lib_a, cuda_lib_b"])
 
 
 FAULTS = """

@@ -17,7 +17,7 @@ def value(config: pytest.Config, key: str) -> object:
     if cache is not None:
         return cache.get(key, None)
     try:
-        folder = Path(os.path.expandvars(config.getini("cache_dir")))
+        folder = Path(os.path.expanduser(os.path.expandvars(config.getini("cache_dir"))))
     except ValueError:  # -p no:cacheprovider: no such ini
         return None
     if config.getoption("cacheclear", False):

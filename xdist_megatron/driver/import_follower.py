@@ -121,7 +121,11 @@ class ImportFollower:
             top, _, rest = name.partition(".")
             if not rest or ("." not in rest and _is_namespace(sys.modules.get(top))):
                 found += sorted(self._preloadable.modules(name))
-        new = [name for name in dict.fromkeys(found) if name not in self._sent]
+        new = [
+            name
+            for name in dict.fromkeys(found)
+            if name not in self._sent and not self._preloadable.initialises_cuda(name)
+        ]
         self._sent.update(new)
         if self.zygote is None:
             self.zygote = self._start(new)

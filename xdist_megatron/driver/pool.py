@@ -23,6 +23,7 @@ from ..protocol import (
 )
 from .gang import Gang, GangError
 from .locks import DeviceLocks
+from .preload import ALWAYS_PRELOAD
 from .zygote_client import ForkRefused, ZygoteClient, describe_exit
 
 RESET_TIMEOUT = 120.0
@@ -52,7 +53,7 @@ class GangPool:
         self.backend = backend
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
-        self.cuda_at_import: set[str] = set()  # preloads left to GPU ranks: not tried again
+        self.cuda_initialisers: set[str] = set()  # preloads left to GPU ranks: cached for later
         self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
         self.gang_names: dict[int, str] = {}  # world size -> the current gang's name, "ws2#1"
         self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
@@ -287,17 +288,22 @@ class GangPool:
                 self.notes += [
                     f"megatron_preload: {m}: {why}" for m, why in failures.items() if m in wanted
                 ]
-            self.cuda_at_import.update(m for m, why in failures.items() if why == CUDA_AT_IMPORT)
+            self.cuda_initialisers.update(m for m, why in failures.items() if why == CUDA_AT_IMPORT)
             poisoned = zygote.breaks_cuda
             if not poisoned:
                 return zygote
-            self.cuda_at_import.update(poisoned)  # another driver's, where the zygote is shared
+            remaining = [m for m in zygote.preload if m not in poisoned]
+            if len(remaining) == len(zygote.preload) or set(poisoned) & set(ALWAYS_PRELOAD):
+                raise GangError(  # a replacement would be spoilt again, and so on
+                    f"the zygote's import of {', '.join(poisoned)} initialised CUDA: no fork "
+                    "could use a GPU (an LD_PRELOAD library, or a torch device-backend plugin?)"
+                )
+            self.cuda_initialisers.update(poisoned)  # another driver's, where it is shared
             self.notes.append(
                 f"the zygote's preload of {', '.join(poisoned)} initialised CUDA: replaced it with"
                 " one that tries each preload in a fork first"
             )
             zygote.close()
-            remaining = [m for m in zygote.preload if m not in poisoned]
             self._zygote = self._spawn(remaining, careful=True)
 
     def _log_file(self) -> IO[bytes] | None:

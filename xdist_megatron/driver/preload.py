@@ -44,6 +44,7 @@ class Preloadable:
         self.patterns = [*python_files, "conftest.py"]
         self.test_dirs: set[str] = set()
         self.left_to_ranks = set(left_to_ranks)  # they initialise CUDA at import
+        self.withheld: set[str] = set()  # modules not preloaded for that
 
     def note(self, modules: Iterable[Any]) -> None:
         """Test modules and conftest files among `modules` make their folders test folders."""
@@ -73,9 +74,13 @@ class Preloadable:
         }
 
     def initialises_cuda(self, module_name: str) -> bool:
-        """Whether importing it imports a module known to initialise CUDA: itself or a parent."""
+        """Whether importing it imports a module known to initialise CUDA: itself or a parent
+        (noted in `withheld`, for the terminal summary)."""
         parts = module_name.split(".")
-        return any(".".join(parts[:n]) in self.left_to_ranks for n in range(1, len(parts) + 1))
+        if any(".".join(parts[:n]) in self.left_to_ranks for n in range(1, len(parts) + 1)):
+            self.withheld.add(module_name)
+            return True
+        return False
 
     def is_library(self, module: Any) -> bool:
         """Installed code (site-packages, or a folder outside the project and the standard
@@ -120,7 +125,7 @@ def preloadable_of(config: pytest.Config) -> Preloadable:
     if PRELOADABLE not in config.stash:
         rootdir = str(config.rootpath)
         config.stash[PRELOADABLE] = Preloadable(
-            rootdir, config.getini("python_files"), cuda_at_import(config)
+            rootdir, config.getini("python_files"), known_cuda_initialisers(config)
         )
     return config.stash[PRELOADABLE]
 
@@ -139,7 +144,8 @@ def known_early(config: pytest.Config) -> list[str] | None:
     known = config.getini("megatron_preload") or remembered(config)
     if known is None:
         return None
-    return with_base([m for m in known if not preloadable_of(config).initialises_cuda(m)])
+    judge = preloadable_of(config)
+    return with_base([m for m in known if not judge.initialises_cuda(m)])
 
 
 def remembered(config: pytest.Config) -> list[str] | None:
@@ -161,7 +167,7 @@ def remember(config: pytest.Config, modules: list[str]) -> None:
         cache.set(CACHE_KEY, detected)
 
 
-def cuda_at_import(config: pytest.Config) -> list[str]:
+def known_cuda_initialisers(config: pytest.Config) -> list[str]:
     """The modules earlier sessions' zygotes found to initialise CUDA at import; none where the
     ranks run on CPUs, which never touch CUDA."""
     if not gpus_likely(getattr(config.known_args_namespace, "megatron_devices", None)):
@@ -170,10 +176,11 @@ def cuda_at_import(config: pytest.Config) -> list[str]:
     return [m for m in value if isinstance(m, str)] if isinstance(value, list) else []
 
 
-def remember_cuda_at_import(config: pytest.Config, modules: Iterable[str]) -> None:
-    """Add this session's findings for the next sessions (xdist workers each add theirs)."""
+def remember_cuda_initialisers(config: pytest.Config, modules: Iterable[str]) -> None:
+    """Add this session's findings for the next sessions. xdist workers each add theirs, unlocked:
+    one may miss another's, which a later session then finds again (one replacement zygote)."""
     cache = getattr(config, "cache", None)
-    known = cuda_at_import(config)
+    known = known_cuda_initialisers(config)
     new = set(modules) - set(known)
     if cache is not None and new:
         cache.set(CUDA_AT_IMPORT_KEY, sorted({*known, *new}))

@@ -302,8 +302,18 @@ class Runtime:
 
     @property
     def notes(self) -> list[str]:
-        """What the terminal summary says: the follower's and the pools' notes."""
-        return self._notes + (self._pool.notes if self._pool is not None else [])
+        """What the terminal summary says: the follower's and the pools' notes, and which
+        modules were not preloaded because an earlier session found they initialise CUDA."""
+        withheld = sorted(preload.preloadable_of(self.config).withheld)
+        cached = [
+            f"not preloaded, as earlier sessions found they initialise CUDA at import (pytest "
+            f"cache: {preload.CUDA_AT_IMPORT_KEY}): {', '.join(withheld)}"
+        ]
+        return (
+            self._notes
+            + (cached if withheld else [])
+            + (self._pool.notes if self._pool is not None else [])
+        )
 
     def close(self, at_once: bool = False) -> None:
         """End the gangs and the zygotes; `at_once` (Ctrl-C): kill them rather than wait for
@@ -313,7 +323,7 @@ class Runtime:
             early.close(at_once)
         if self._pool is not None:
             self._notes += self._pool.notes
-            preload.remember_cuda_at_import(self.config, self._pool.cuda_at_import)
+            preload.remember_cuda_initialisers(self.config, self._pool.cuda_initialisers)
             self._pool.close(at_once)
             self._pool = None
         if self._host_zygote is not None:

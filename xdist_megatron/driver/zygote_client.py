@@ -134,10 +134,14 @@ class ZygoteClient:
         while self._awaited:
             ready = self._next_reply(ZYGOTE_START_TIMEOUT, "start")
             self._failures.update(ready.failures)
-            self.breaks_cuda += ready.breaks_cuda
+            self._blame(ready.breaks_cuda)
             self.pid = ready.pid
             self._awaited -= 1
         return self._failures
+
+    def _blame(self, modules: list[str]) -> None:
+        """A spoilt zygote names its culprits in every later reply: keep each once."""
+        self.breaks_cuda += [m for m in modules if m not in self.breaks_cuda]
 
     @property
     def alive(self) -> bool:
@@ -152,7 +156,7 @@ class ZygoteClient:
         socket.send_fds(self._sock, [b"f"], fds)
         reply = self._next_reply(60.0, "fork")
         if reply.breaks_cuda:
-            self.breaks_cuda += reply.breaks_cuda
+            self._blame(reply.breaks_cuda)
             modules = ", ".join(reply.breaks_cuda)
             raise ForkRefused(f"the shared zygote imported {modules}, which initialised CUDA")
         return reply.pids

@@ -38,7 +38,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 from ..coverage import rank_coverage
 from ..protocol import (
@@ -63,6 +63,9 @@ PR_SET_PDEATHSIG = 1
 CUDA_DRIVER = "libcuda.so.1"
 OWNER_POLL = 0.2  # seconds between the checks that the owner is still there
 TRIAL_BREAKS_CUDA = 3  # a trial import's exit code: that module initialised CUDA
+TRIAL_TIMEOUT = 300.0  # seconds; a trial import that takes longer is left to the ranks
+TRIAL_POLL = 0.02  # seconds between looks at the running trials
+TRIALS_AT_ONCE = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 # What every rank needs, imported once here instead of once per rank.
 BASE_PRELOAD = (
@@ -122,62 +125,71 @@ def preload(
 ) -> tuple[dict[str, str], list[str]]:
     """Import each module; return ({name: error} for those that failed, [the module that, where
     the ranks will use CUDA, made forking unsafe for it]); the imports stop at such a module.
-    `careful` (a zygote that replaces one a preload spoilt): past the base preloads, each module
-    is first imported in a throwaway fork, and those that initialise CUDA there are left to the
-    ranks, so that one replacement serves however many such modules a suite has."""
+    `careful`: see _preload_carefully."""
     if cuda and careful:
-        base = [m for m in modules if m in BASE_PRELOAD]
-        failures, breaks_cuda = preload(base, cuda)
-        if breaks_cuda:
-            return failures, breaks_cuda
-        rest = [m for m in modules if m not in BASE_PRELOAD]
-        left_to_ranks = _initialise_cuda(rest)
-        more, breaks_cuda = preload([m for m in rest if m not in left_to_ranks], cuda)
-        return {**failures, **more, **dict.fromkeys(left_to_ranks, CUDA_AT_IMPORT)}, breaks_cuda
+        return _preload_carefully(modules)
     failures: dict[str, str] = {}
     for name in modules:
         try:
             importlib.import_module(name)
         except BaseException as exc:  # a broken optional package must not stop the zygote
             failures[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        if cuda and not _fork_keeps_cuda_usable():
+        if cuda and not _fork_keeps_cuda_usable():  # also after an import that raised
             failures[name] = CUDA_AT_IMPORT
             return failures, [name]
     return failures, []
 
 
-def _initialise_cuda(modules: list[str]) -> set[str]:
-    """The modules whose import, in a fork of this process, leaves no fork able to use CUDA;
-    tried side by side, one fork per core (each imports what it needs of the suite's stack)."""
+def _preload_carefully(modules: list[str]) -> tuple[dict[str, str], list[str]]:
+    """For a zygote that replaces one a preload spoilt: past the base preloads, each module is
+    first imported in a throwaway fork, and those that initialise CUDA there are left to the
+    ranks, so that one replacement serves however many such modules a suite has."""
+    failures, breaks_cuda = preload([m for m in modules if m in BASE_PRELOAD], cuda=True)
+    if breaks_cuda:
+        return failures, breaks_cuda
+    rest = [m for m in modules if m not in BASE_PRELOAD]
+    left_to_ranks = _cuda_initialisers_by_trial(rest)
+    more, breaks_cuda = preload([m for m in rest if m not in left_to_ranks], cuda=True)
+    return {**failures, **more, **dict.fromkeys(left_to_ranks, CUDA_AT_IMPORT)}, breaks_cuda
+
+
+def _cuda_initialisers_by_trial(modules: list[str]) -> set[str]:
+    """The modules whose import, in a fork of this process, leaves no fork able to use CUDA
+    (or takes over TRIAL_TIMEOUT); tried side by side, TRIALS_AT_ONCE at a time (every xdist
+    worker's zygote may be trying at once, each fork importing the suite's stack)."""
     found: set[str] = set()
     pending = [m for m in modules if m not in sys.modules]
-    running: dict[int, str] = {}
+    running: dict[int, tuple[str, float]] = {}  # pid -> (module, deadline)
     while pending or running:
-        while pending and len(running) < len(os.sched_getaffinity(0)):
+        while pending and len(running) < TRIALS_AT_ONCE:
             name = pending.pop(0)
             pid = os.fork()
             if pid == 0:
                 _exit_after_trial(name)
-            running[pid] = name
-        pid = next(iter(running))  # the oldest: never os.wait(), which could reap a rank
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) == TRIAL_BREAKS_CUDA:
-            found.add(running[pid])
-        del running[pid]
+            running[pid] = name, time.monotonic() + TRIAL_TIMEOUT
+        time.sleep(TRIAL_POLL)
+        for pid, (name, deadline) in list(running.items()):
+            late = time.monotonic() > deadline
+            if late:
+                os.kill(pid, signal.SIGKILL)
+            # this pid only: os.wait() could reap a rank, whose exit its driver must hear of
+            done, status = os.waitpid(pid, 0 if late else os.WNOHANG)
+            if not done:
+                continue
+            del running[pid]
+            if late or os.waitstatus_to_exitcode(status) == TRIAL_BREAKS_CUDA:
+                found.add(name)
     return found
 
 
-def _exit_after_trial(name: str) -> None:
+def _exit_after_trial(name: str) -> NoReturn:
     """In a throwaway fork: import `name` and exit saying whether CUDA is still usable after."""
-    code = 0
-    try:
+    _die_with_zygote()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    with contextlib.suppress(BaseException):  # the real import reports an error
         importlib.import_module(name)
-        if not _fork_keeps_cuda_usable():
-            code = TRIAL_BREAKS_CUDA
-    except BaseException:  # the real import reports the error
-        pass
-    os._exit(code)
+    os._exit(0 if _fork_keeps_cuda_usable() else TRIAL_BREAKS_CUDA)
 
 
 def _fork_keeps_cuda_usable() -> bool:
@@ -314,7 +326,11 @@ class Zygote:
         return True
 
     def preload_for(self, client: Client, modules: list[str]) -> None:
-        """Import `modules` for every later fork, and tell `client` how that went."""
+        """Import `modules` for every later fork, and tell `client` how that went. Once a
+        preload spoilt CUDA nothing more is imported: a check now would blame the next module."""
+        if self.breaks_cuda:
+            client.send(Preloaded({}, self.breaks_cuda, os.getpid()))
+            return
         failures, breaks_cuda = preload(
             [m for m in modules if m not in sys.modules], self.cuda, self.careful
         )
