@@ -183,13 +183,18 @@ def _cuda_initialisers_by_trial(modules: list[str]) -> set[str]:
 
 
 def _exit_after_trial(name: str) -> NoReturn:
-    """In a throwaway fork: import `name` and exit saying whether CUDA is still usable after."""
-    _die_with_zygote()
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    with contextlib.suppress(BaseException):  # the real import reports an error
-        importlib.import_module(name)
-    os._exit(0 if _fork_keeps_cuda_usable() else TRIAL_BREAKS_CUDA)
+    """In a throwaway fork: import `name` and exit saying whether CUDA is still usable after;
+    whatever happens, exit (this fork must never go on as a second zygote)."""
+    code = TRIAL_BREAKS_CUDA  # unless shown otherwise
+    try:
+        _die_with_zygote()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        with contextlib.suppress(BaseException):  # the real import reports an error
+            importlib.import_module(name)
+        code = 0 if _fork_keeps_cuda_usable() else TRIAL_BREAKS_CUDA
+    finally:
+        os._exit(code)
 
 
 def _fork_keeps_cuda_usable() -> bool:
