@@ -57,7 +57,7 @@ class Preloadable:
         """The module if it is library code; for a namespace package (`import megatron.core`
         binds `megatron`, which has no file), its imported library children. Not a script run
         as `__main__`, nor a module registered under another name than its own."""
-        if module_name.partition(".")[0] in NOT_PRELOADED or self.initialises_cuda(module_name):
+        if module_name.partition(".")[0] in NOT_PRELOADED:
             return set()
         module = sys.modules.get(module_name)
         if getattr(module, "__name__", None) != module_name or module_name.startswith("__"):

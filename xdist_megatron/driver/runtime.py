@@ -304,16 +304,14 @@ class Runtime:
     def notes(self) -> list[str]:
         """What the terminal summary says: the follower's and the pools' notes, and which
         modules were not preloaded because an earlier session found they initialise CUDA."""
+        notes = list(self._notes)
         withheld = sorted(preload.preloadable_of(self.config).withheld)
-        cached = [
-            f"not preloaded, as earlier sessions found they initialise CUDA at import (pytest "
-            f"cache: {preload.CUDA_AT_IMPORT_KEY}): {', '.join(withheld)}"
-        ]
-        return (
-            self._notes
-            + (cached if withheld else [])
-            + (self._pool.notes if self._pool is not None else [])
-        )
+        if withheld:
+            notes.append(
+                f"not preloaded, as earlier sessions found they initialise CUDA at import (pytest "
+                f"cache: {preload.CUDA_AT_IMPORT_KEY}): {', '.join(withheld)}"
+            )
+        return notes + (self._pool.notes if self._pool is not None else [])
 
     def close(self, at_once: bool = False) -> None:
         """End the gangs and the zygotes; `at_once` (Ctrl-C): kill them rather than wait for
