@@ -10,6 +10,7 @@ would warn that its asserts cannot be rewritten (it has none).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from .. import placement, sidechannel
 from ..ci import durations, selection
 from ..coverage import rank_coverage
 from ..driver import reporting
-from ..driver.gang import detect_devices
+from ..driver.gang import LOCALHOST, detect_devices
 from ..driver.runtime import RUNTIME, gangs_per_device
 from ..protocol import DIST_MODE, INPUT_KEY, WORKER_VAR
 from .scheduler import MegatronScheduling
@@ -33,6 +34,8 @@ DIST_HELP = (
 )
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 LAUNCHER = Path(__file__).with_name("worker_launcher.py")
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+PORT_FLOOR, PORT_TRIES = 10000, 100  # workers' MASTER_PORTs are drawn from PORT_FLOOR up
 
 AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
 _parser: pytest.Parser | None = None
@@ -126,8 +129,10 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
 
     devices = config.stash[RUNTIME].devices
     python = forked_python(config)
+    ports: list[int] = []
     for index, spec in enumerate(specs):
-        env = f"//env:{WORKER_VAR}={index}//env:MASTER_PORT={free_port()}"
+        ports.append(worker_port(taken=ports))
+        env = f"//env:{WORKER_VAR}={index}//env:MASTER_PORT={ports[-1]}"
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
@@ -150,11 +155,40 @@ def forked_python(config: pytest.Config) -> str | None:
     return f"{sys.executable} -I {LAUNCHER} {address}"
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick; free until someone takes it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+def worker_port(taken: list[int]) -> int:
+    """A TCP port for a worker's MASTER_PORT that nothing listens on now, outside the kernel's
+    ephemeral range and not in `taken`.
+
+    The worker binds it only when it collects a module that joins a group at import, maybe a
+    minute after this pick. An ephemeral port could be handed to any `bind(0)` or outgoing
+    connection meanwhile (another worker's store, NCCL's bootstrap): on the H200 one of four
+    workers failed to collect such a module with EADDRINUSE, and so got no work. torchrun's
+    default port, 29500, lies outside that range too."""
+    below = range(PORT_FLOOR, ephemeral_ports()[0])
+    for port in random.sample(below, min(PORT_TRIES, len(below))):
+        if port not in taken and listenable(port):
+            return port
+    with socket.socket() as probe:  # no room below the range: the kernel's pick
+        probe.bind((LOCALHOST, 0))
         return probe.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path(EPHEMERAL_RANGE).read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def listenable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((LOCALHOST, port))
+        except OSError:
+            return False
+    return True
 
 
 def placed_devices(config: pytest.Config) -> placement.DeviceSet:
