@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from . import layouts, markers
-from .ci import durations, selection
+from .ci import durations, path_options, selection
 from .coverage import rank_coverage
 from .driver import collection, dispatch, import_follower
 from .driver.pool import SESSION_SCOPE
@@ -124,6 +124,7 @@ def pytest_configure(config: pytest.Config) -> None:
     gangs_per_device(config)
     selection.check(config)
     durations.check(config)
+    path_options.check(config)
     if config.getoption("megatron_devices") is not None and runtime.inprocess is None:
         runtime.devices  # noqa: B018 - likewise: a bad spec fails the run here, in every mode
     if runtime.inprocess is not None:
