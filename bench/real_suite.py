@@ -65,10 +65,10 @@ from _util import (
     tail,
     write_json,
 )
-from stream_reports import StreamReports
 
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
+RANK_SCRIPT = Path(__file__).with_name("torchrun_rank.py")  # what torchrun starts on each rank
 MODES = ("torchrun", "serial", "xdist", "faults")
 TIMED = MODES[:3]  # the modes --rounds repeats, with every xdist-kK
 SHARED_XDIST = re.compile(r"xdist-k([1-9][0-9]*)")  # xdist, K gangs per device
@@ -202,20 +202,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # -- torchrun's ranks -----------------------------------------------------------------------------
 
 
-def rank_main(folder: str, pytest_args: list[str]) -> int:
-    """One torchrun rank: pytest as `-m pytest` would run it, with this rank's own junit file.
-
-    torchrun cannot give each rank its own `--junitxml`, so torchrun starts this script, which
-    reads RANK. sys.path[0] becomes the working directory, as under `python -m pytest`.
-    """
-    import pytest
-
-    sys.path[0] = os.getcwd()
-    rank = os.environ["RANK"]
-    args = [*pytest_args, f"--junitxml={folder}/rank{rank}.xml"]
-    return pytest.main(args, plugins=[StreamReports(f"{folder}/rank{rank}.jsonl")])
-
-
 # -- running --------------------------------------------------------------------------------------
 
 
@@ -314,10 +300,10 @@ def pytest_command(testdir: str, junit: Path, extra: list[str]) -> list[str]:
 
 
 def torchrun_command(nproc: int, folder: Path, pytest_args: list[str]) -> list[str]:
-    """torchrun starting this script on every rank (see rank_main), the plugin disabled."""
+    """torchrun starting torchrun_rank.py on every rank, the plugin disabled."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", os.path.abspath(__file__), "--as-rank", str(folder), "--",
+        f"--nproc-per-node={nproc}", str(RANK_SCRIPT), str(folder), "--",
         "-p", f"no:{PLUGIN}", *pytest_args,
     ]  # fmt: skip
 
@@ -644,8 +630,6 @@ def fit(nproc: int, modes: list[str], devices: Devices) -> tuple[int, list[str],
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--as-rank"]:  # started by torchrun_command on a rank
-        return rank_main(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
     args = parse_args(argv)
     default_out = Path(__file__).parent / "out" / "real_suite" / time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or default_out).resolve()

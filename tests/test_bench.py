@@ -215,3 +215,32 @@ def test_sim_lanes_prints_today_against_before(tmp_path: Path) -> None:
     one at --before too, where git has it)."""
     done = run([sys.executable, str(BENCH / "sim_lanes.py"), "--lanes", "2"], tmp_path)
     assert_ran_and_said(done, ["today                 known", "today               unknown"])
+
+
+SPAWNS_SUITE = """
+import multiprocessing
+
+
+def square(n):
+    return n * n
+
+
+def test_a_spawned_child_starts():
+    # as Megatron-LM's checkpointing does: the child runs the rank's main script again
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(square, (3,)) == 9
+"""
+
+
+def test_real_suite_torchrun_ranks_can_spawn_children(plain_shell: Path) -> None:
+    """A `spawn` child of a torchrun rank starts, as under `torchrun -m pytest`: when real_suite
+    itself was the ranks' script, the child's import of it failed, and Megatron-LM's
+    checkpointing tests failed under torchrun only."""
+    (plain_shell / "suite" / "test_spawns.py").write_text(SPAWNS_SUITE)
+    argv = ["real_suite.py", "suite", "--nproc", "1", "--modes", "torchrun,serial", "--out",
+            "{tmp}/out", "--json", "{tmp}/runs.json"]  # fmt: skip
+    assert_ran_and_said(run(command(argv, plain_shell), plain_shell), ["every test has the same"])
+    runs = json.loads((plain_shell / "runs.json").read_text())["runs"]
+    assert [run["counts"] for run in runs] == [
+        {"passed": 2, "failed": 0, "skipped": 0, "error": 0}
+    ] * 2
