@@ -139,7 +139,7 @@ class Run:
     returncode: int | None = None
     wall: float = 0.0
     launched: float = 0.0  # time.time() as it started, for the run report's times
-    phases: dict[str, float] = field(default_factory=dict)  # plugin runs: see phases_table
+    phases: dict[str, float] = field(default_factory=dict)  # see phases_table
     killed: bool = False  # past its cap: the process group was killed ("run lost")
     leftovers: bool = False  # processes of the run were still alive after it exited
     gpu_peak: int | None = None  # bytes in use on the visible GPUs at the most (None: no GPU)
@@ -417,6 +417,7 @@ def run_torchrun(plan: Plan, name: str, testdir: str, cap: float, expected: list
     run = Run(name, command, expected=expected, log=log, env=plan.devices.visible_env())
     execute(run, plan.cwd, cap)
     read_results(run, folder / "rank0.xml", folder / "rank0.jsonl")
+    run.phases = phases(run, stream_spans(folder / "rank0.jsonl"))
     return run
 
 
@@ -431,20 +432,32 @@ def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: 
               log=str(plan.out / f"{name}.log"))  # fmt: skip
     execute(run, plan.cwd, plan.cap)
     read_results(run, junit, None)
-    run.phases = phases(run, timeline)
+    run.phases = phases(run, report_spans(timeline))
     return run
 
 
-def phases(run: Run, timeline: Path) -> dict[str, float]:
-    """Where a plugin run's wall time went, from its run report (the tests' start and end as
-    the drivers stamped them): before the first test, the tests, after the last."""
+def report_spans(timeline: Path) -> list[tuple[float, float]]:
+    """Each test's start and end in a plugin run's run report, as the drivers stamped them."""
     try:
-        spans = json.loads(timeline.read_text())["tests"]
+        return [(s["start"], s["end"]) for s in json.loads(timeline.read_text())["tests"]]
     except (OSError, ValueError, KeyError):
-        return {}
+        return []
+
+
+def stream_spans(path: Path) -> list[tuple[float, float]]:
+    """Each report's start and stop in rank 0's stream of a torchrun run (pytest's stamps)."""
+    try:
+        reports = [json.loads(line) for line in path.read_text().splitlines()]
+    except (OSError, ValueError):
+        return []
+    return [(r["start"], r["stop"]) for r in reports if r.get("start") and r.get("stop")]
+
+
+def phases(run: Run, spans: list[tuple[float, float]]) -> dict[str, float]:
+    """Where a run's wall time went: before the first test, the tests, after the last."""
     if not spans:
         return {}
-    first, last = min(s["start"] for s in spans), max(s["end"] for s in spans)
+    first, last = min(start for start, _ in spans), max(end for _, end in spans)
     return {
         "to first test": first - run.launched,
         "tests": last - first,
@@ -539,7 +552,7 @@ def summary_table(runs: list[Run]) -> str:
 
 
 def phases_table(runs: list[Run]) -> str:
-    """For the plugin's runs: launch to the first test's start (start-up, workers' collection),
+    """Launch to the first test's start (start-up, collection, workers' collection),
     the first test's start to the last one's end, and from there to the exit."""
     timed = [run for run in runs if run.phases]
     names = list(timed[0].phases) if timed else []
@@ -585,7 +598,7 @@ def report(runs: list[Run], limit: int) -> None:
     """The summary, the differences between the ordinary runs, then between the faults runs."""
     print(summary_table(runs))
     if any(run.phases for run in runs):
-        print(f"\nwhere the plugin's wall time went\n{phases_table(runs)}")
+        print(f"\nwhere the wall time went\n{phases_table(runs)}")
     if any("#" in run.name for run in runs):
         print(f"\nwall time (s) per round\n{rounds_table(runs)}")
     for run in runs:

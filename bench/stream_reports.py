@@ -13,14 +13,17 @@ NOT_REPORTING = ("XDIST_MEGATRON_ZYGOTE", "PYTEST_XDIST_WORKER")
 
 
 class StreamReports:
-    """A pytest plugin object: one JSON line per report, flushed, so a killed run leaves them."""
+    """A pytest plugin object: one JSON line per report, flushed, so a killed run leaves them;
+    with each phase's start and stop (epoch seconds), for where a torchrun run's wall went."""
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "a", buffering=1)  # open for the session
 
     def pytest_runtest_logreport(self, report) -> None:
         line = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                "duration": report.duration, "xfail": hasattr(report, "wasxfail")}  # fmt: skip
+                "duration": report.duration, "xfail": hasattr(report, "wasxfail"),
+                "start": getattr(report, "start", None),
+                "stop": getattr(report, "stop", None)}  # fmt: skip
         self.file.write(json.dumps(line) + "\n")
 
 
