@@ -190,6 +190,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-diff", type=int, default=60, help="rows of a differences table")
     parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
+    parser.add_argument(
+        "--profile-collection", metavar="PATH", help="run the first collect-only under cProfile"
+    )
     add_devices_option(parser)
     args = parser.parse_args(argv)
     args.modes = [mode for mode in args.modes.split(",") if mode]
@@ -197,9 +200,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
     return args
-
-
-# -- torchrun's ranks -----------------------------------------------------------------------------
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -308,13 +308,21 @@ def torchrun_command(nproc: int, folder: Path, pytest_args: list[str]) -> list[s
     ]  # fmt: skip
 
 
-def collect(testdir: str, cwd: Path, pytest_args: list[str]) -> list[str]:
-    """The node ids a plain pytest collects (plugin disabled), as junit keys."""
-    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", f"no:{PLUGIN}",
-               testdir, *pytest_args]  # fmt: skip
+def collect(
+    testdir: str, cwd: Path, pytest_args: list[str], profile: str | None = None
+) -> list[str]:
+    """The node ids a plain pytest collects (plugin disabled), as junit keys; how long that
+    took, which is most of every mode's start-up; under cProfile into `profile` if given."""
+    profiler = [] if profile is None else ["-m", "cProfile", "-o", os.path.abspath(profile)]
+    command = [sys.executable, *profiler, "-m", "pytest", "--collect-only", "-q", "-p",
+               f"no:{PLUGIN}", testdir, *pytest_args]  # fmt: skip
+    started = time.monotonic()
     out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    took = f"{time.monotonic() - started:.1f} s" + (
+        "" if profile is None else f", profiled: {profile}"
+    )
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
-    progress(f"collected {len(ids)} tests")
+    progress(f"collected {len(ids)} tests ({took})")
     if not ids:
         progress(f"collection found no tests (exit {out.returncode}):")
         progress(tail(out.stdout + out.stderr, LOG_TAIL))
@@ -469,7 +477,7 @@ def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Ru
     runs = []
     timed = [mode for mode in modes if is_timed(mode)]
     if timed:
-        expected = collect(plan.testdir, plan.cwd, plan.pytest_args)
+        expected = collect(plan.testdir, plan.cwd, plan.pytest_args, args.profile_collection)
         for index in range(args.rounds):
             first = index % len(timed)
             for mode in timed[first:] + timed[:first]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pstats
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -235,12 +236,15 @@ def test_a_spawned_child_starts():
 def test_real_suite_torchrun_ranks_can_spawn_children(plain_shell: Path) -> None:
     """A `spawn` child of a torchrun rank starts, as under `torchrun -m pytest`: when real_suite
     itself was the ranks' script, the child's import of it failed, and Megatron-LM's
-    checkpointing tests failed under torchrun only. Both modes say where their wall went."""
+    checkpointing tests failed under torchrun only. Both modes say where their wall went, and
+    the collect-only run that lists the expected tests can be profiled."""
     (plain_shell / "suite" / "test_spawns.py").write_text(SPAWNS_SUITE)
     argv = ["real_suite.py", "suite", "--nproc", "1", "--modes", "torchrun,serial", "--out",
-            "{tmp}/out", "--json", "{tmp}/runs.json"]  # fmt: skip
+            "{tmp}/out", "--json", "{tmp}/runs.json",
+            "--profile-collection", "{tmp}/collect.prof"]  # fmt: skip
     assert_ran_and_said(run(command(argv, plain_shell), plain_shell), ["every test has the same"])
     runs = json.loads((plain_shell / "runs.json").read_text())["runs"]
     passed = {"passed": 2, "failed": 0, "skipped": 0, "error": 0}
     assert [run["counts"] for run in runs] == [passed, passed]
     assert all(set(run["phases"]) == {"to first test", "tests", "after last test"} for run in runs)
+    assert pstats.Stats(str(plain_shell / "collect.prof")).total_calls > 0  # the collect-only's
