@@ -455,10 +455,16 @@ def report_spans(timeline: Path) -> list[tuple[float, float]]:
 def stream_spans(path: Path) -> list[tuple[float, float]]:
     """Each report's start and stop in rank 0's stream of a torchrun run (pytest's stamps)."""
     try:
-        reports = [json.loads(line) for line in path.read_text().splitlines()]
-    except (OSError, ValueError):
+        lines = path.read_text().splitlines()
+    except OSError:
         return []
-    return [(r["start"], r["stop"]) for r in reports if r.get("start") and r.get("stop")]
+    spans = []
+    for line in lines:
+        with contextlib.suppress(ValueError):  # the last line of a killed run may be torn
+            report = json.loads(line)
+            if report.get("start") and report.get("stop"):
+                spans.append((report["start"], report["stop"]))
+    return spans
 
 
 def phases(run: Run, spans: list[tuple[float, float]]) -> dict[str, float]:

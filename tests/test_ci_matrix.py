@@ -147,21 +147,27 @@ def test_the_durations_file_is_written_and_merged(run_pytest, pytester):
 
 def test_a_separate_path_that_would_hide_the_suites_ini_is_a_usage_error(run_pytest, pytester):
     """pytest chooses its rootdir before the plugin's options exist, so the value of
-    `--megatron-durations PATH` counts as a test path there: a file outside the suite's folder
-    moved the ini search above the suite's pytest.ini, which was then not read (a whole
-    Megatron-LM run lost its --deselect that way)."""
+    `--megatron-durations PATH` counts as a test path there. With a setup.py above the suite, as
+    at Megatron-LM's root, a file beside it moved the rootdir there, and the suite's pytest.ini
+    was not read (a whole Megatron-LM run lost its --deselect that way). Where pytest's choice
+    stays the same, the separate form is fine."""
     suite = pytester.mkdir("suite")
     (suite / "pytest.ini").write_text("[pytest]\naddopts = -k 'not two'\n")
     (suite / "test_one.py").write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
     (pytester.path / "d.json").write_text('{"version": 1, "tests": {}}')
     (suite / "inside.json").write_text('{"version": 1, "tests": {}}')
+    (pytester.path / "setup.py").write_text("")
     hidden = run_pytest("suite", "--megatron-durations", "d.json")
     assert hidden.ret == pytest.ExitCode.USAGE_ERROR
-    hidden.stderr.fnmatch_lines(["*pytest took d.json for a test path*suite?pytest.ini*"])
-    hidden.stderr.fnmatch_lines(["*write --megatron-durations=d.json*"])
+    hidden.stderr.fnmatch_lines(["*pytest took d.json for a test path*no ini file; without it*"])
+    hidden.stderr.fnmatch_lines(["*suite?pytest.ini); write --megatron-durations=d.json*"])
     run_pytest("suite", "--megatron-durations=d.json").assert_outcomes(passed=1, deselected=1)
     inside = run_pytest("suite", "--megatron-durations", "suite/inside.json")
     inside.assert_outcomes(passed=1, deselected=1)
+    chosen = run_pytest("-c", "suite/pytest.ini", "suite", "--megatron-durations", "d.json")
+    chosen.assert_outcomes(passed=1, deselected=1)  # -c names the ini: nothing moves it
+    (pytester.path / "setup.py").unlink()  # pytest then finds the suite's ini all the same
+    run_pytest("suite", "--megatron-durations", "d.json").assert_outcomes(passed=1, deselected=1)
 
 
 def test_the_durations_file_decides_the_shards(run_pytest, pytester):

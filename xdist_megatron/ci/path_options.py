@@ -2,53 +2,72 @@
 can move pytest's rootdir and skip the suite's ini file: pytest picks both before any plugin has
 added its options, and so takes the unknown option's value for a test path. The run then goes on
 without the suite's ini (its options, `--deselect` ids relative to the rootdir), silently. This
-finds that case and asks for the `--option=PATH` form, which pytest leaves alone."""
+finds that case, by asking pytest's own choice again without those values, and asks for the
+`--option=PATH` form, which pytest leaves alone."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import shlex
 from pathlib import Path
 
 import pytest
 
 PATH_OPTIONS = ("--megatron-durations", "--megatron-report", "--megatron-lock-dir")
-# The files pytest reads its configuration from, as it searches a folder for them.
-INI_NAMES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+
+Setup = tuple[Path, Path | None]  # rootdir, ini file
 
 
 def check(config: pytest.Config) -> None:
-    """A usage error where a separate path moved the ini search past a folder holding an ini."""
-    here = config.invocation_params.dir
-    ancestor = _common_folder([_existing(here, arg.split("::")[0]) for arg in config.args], here)
-    args = list(config.invocation_params.args)
-    for option, value in zip(args, args[1:], strict=False):
-        path = _existing(here, value) if option in PATH_OPTIONS else None
-        if path is None or path.is_relative_to(ancestor):
-            continue
-        skipped = _ini_between(ancestor, Path(os.path.commonpath([ancestor, path])))
-        if skipped is not None:
-            raise pytest.UsageError(
-                f"{option} {value}: pytest took {value} for a test path when it chose the rootdir "
-                f"({config.rootpath}), so it did not read {skipped}; write {option}={value}"
-            )
+    """A usage error where the values of PATH_OPTIONS changed pytest's rootdir or ini file."""
+    args = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *config.invocation_params.args]
+    pairs = zip(args, args[1:], strict=False)
+    separate = [(option, value) for option, value in pairs if option in PATH_OPTIONS]
+    if not separate:
+        return
+    chosen, meant = _setup(config, args), _setup(config, _without_path_values(args))
+    if chosen is None or meant is None or chosen == meant:
+        return
+    option, value = separate[0]
+    raise pytest.UsageError(
+        f"{option} {value}: pytest took {value} for a test path when it chose the rootdir and "
+        f"ini file ({_describe(chosen)}; without it: {_describe(meant)}); write {option}={value}"
+    )
 
 
-def _existing(folder: Path, arg: str) -> Path | None:
-    path = (folder / arg).resolve()
-    return path if path.exists() else None
+def _without_path_values(args: list[str]) -> list[str]:
+    kept: list[str] = []
+    for arg in args:
+        if kept and kept[-1] in PATH_OPTIONS:
+            kept.pop()  # the option and its value
+        else:
+            kept.append(arg)
+    return kept
 
 
-def _common_folder(paths: list[Path | None], default: Path) -> Path:
-    found = [path if path.is_dir() else path.parent for path in paths if path is not None]
-    return Path(os.path.commonpath(found)) if found else default
+def _setup(config: pytest.Config, args: list[str]) -> Setup | None:
+    """pytest's own choice of rootdir and ini file for `args`; None where its internal function
+    is not the one this was written against (pytest 8 and 9)."""
+    try:
+        from _pytest.config.findpaths import determine_setup
+
+        offered = {
+            "inifile": config.option.inifilename,
+            "override_ini": config.option.override_ini,
+            "args": args,
+            "rootdir_cmd_arg": config.option.rootdir,
+            "invocation_dir": config.invocation_params.dir,
+        }
+        accepted = inspect.signature(determine_setup).parameters
+        rootdir, inipath, *_ = determine_setup(
+            **{k: v for k, v in offered.items() if k in accepted}
+        )
+    except Exception:  # noqa: BLE001 - a best-effort check must not break a run
+        return None
+    return Path(rootdir), None if inipath is None else Path(inipath)
 
 
-def _ini_between(start: Path, stop: Path) -> Path | None:
-    """The first ini file pytest would have found from `start` up, below `stop`."""
-    for folder in [start, *start.parents]:
-        if folder == stop:
-            return None
-        for name in INI_NAMES:
-            if (folder / name).is_file():
-                return folder / name
-    return None
+def _describe(setup: Setup) -> str:
+    rootdir, inipath = setup
+    return f"rootdir {rootdir}, " + (f"ini {inipath}" if inipath else "no ini file")

@@ -36,6 +36,7 @@ RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker
 LAUNCHER = Path(__file__).with_name("worker_launcher.py")
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 PORT_FLOOR, PORT_TRIES = 10000, 100  # workers' MASTER_PORTs are drawn from PORT_FLOOR up
+_draw = random.SystemRandom()  # not the global generator, which a plugin may have seeded
 
 AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
 _parser: pytest.Parser | None = None
@@ -164,11 +165,12 @@ def worker_port(taken: list[int]) -> int:
     connection meanwhile (another worker's store, NCCL's bootstrap): on the H200 one of four
     workers failed to collect such a module with EADDRINUSE, and so got no work. torchrun's
     default port, 29500, lies outside that range too."""
-    below = range(PORT_FLOOR, ephemeral_ports()[0])
-    for port in random.sample(below, min(PORT_TRIES, len(below))):
+    low, high = ephemeral_ports()
+    outside = [*range(PORT_FLOOR, low), *range(high + 1, 65536)]
+    for port in _draw.sample(outside, min(PORT_TRIES, len(outside))):
         if port not in taken and listenable(port):
             return port
-    with socket.socket() as probe:  # no room below the range: the kernel's pick
+    with socket.socket() as probe:  # no room outside the range: the kernel's pick
         probe.bind((LOCALHOST, 0))
         return probe.getsockname()[1]
 
@@ -183,9 +185,10 @@ def ephemeral_ports() -> tuple[int, int]:
 
 
 def listenable(port: int) -> bool:
+    """Whether a store could listen on `port` on every address now."""
     with socket.socket() as probe:
         try:
-            probe.bind((LOCALHOST, port))
+            probe.bind(("", port))
         except OSError:
             return False
     return True
