@@ -26,7 +26,10 @@ def check(config: pytest.Config) -> None:
     separate = [(option, value) for option, value in pairs if option in PATH_OPTIONS]
     if not separate:
         return
-    chosen, meant = _setup(config, args), _setup(config, _without_path_values(args))
+    # What pytest took for test paths then: the real ones, and the values it did not know.
+    positional = [str(arg) for arg in config.known_args_namespace.file_or_dir]
+    chosen = _setup(config, [*positional, *(value for _, value in separate)])
+    meant = _setup(config, positional)
     if chosen is None or meant is None or chosen == meant:
         return
     option, value = separate[0]
@@ -34,16 +37,6 @@ def check(config: pytest.Config) -> None:
         f"{option} {value}: pytest took {value} for a test path when it chose the rootdir and "
         f"ini file ({_describe(chosen)}; without it: {_describe(meant)}); write {option}={value}"
     )
-
-
-def _without_path_values(args: list[str]) -> list[str]:
-    kept: list[str] = []
-    for arg in args:
-        if kept and kept[-1] in PATH_OPTIONS:
-            kept.pop()  # the option and its value
-        else:
-            kept.append(arg)
-    return kept
 
 
 def _setup(config: pytest.Config, args: list[str]) -> Setup | None:
