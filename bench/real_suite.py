@@ -318,9 +318,9 @@ def collect(
                f"no:{PLUGIN}", testdir, *pytest_args]  # fmt: skip
     started = time.monotonic()
     out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    took = f"{time.monotonic() - started:.1f} s" + (
-        "" if profile is None else f", profiled: {profile}"
-    )
+    took = f"{time.monotonic() - started:.1f} s"
+    if profile is not None:
+        took += f", profiled: {profile}"
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
     progress(f"collected {len(ids)} tests ({took})")
     if not ids:
@@ -361,11 +361,24 @@ def worse(first: TestResult, second: TestResult) -> TestResult:
     return TestResult(outcome, first.seconds + second.seconds)
 
 
+def stream_reports(path: Path) -> list[dict]:
+    """The reports of a StreamReports file; none if it is unreadable, and not the torn last
+    line of a run that was killed."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    reports = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            reports.append(json.loads(line))
+    return reports
+
+
 def parse_stream(path: Path) -> dict[str, TestResult]:
     """Per-test outcomes from StreamReports' lines: a test counts once its teardown reported."""
     phases: dict[str, list[dict]] = {}
-    for line in path.read_text().splitlines():
-        report = json.loads(line)
+    for report in stream_reports(path):
         phases.setdefault(report["nodeid"], []).append(report)
     results = {}
     for nodeid, reports in phases.items():
@@ -454,17 +467,8 @@ def report_spans(timeline: Path) -> list[tuple[float, float]]:
 
 def stream_spans(path: Path) -> list[tuple[float, float]]:
     """Each report's start and stop in rank 0's stream of a torchrun run (pytest's stamps)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    spans = []
-    for line in lines:
-        with contextlib.suppress(ValueError):  # the last line of a killed run may be torn
-            report = json.loads(line)
-            if report.get("start") and report.get("stop"):
-                spans.append((report["start"], report["stop"]))
-    return spans
+    reports = stream_reports(path)
+    return [(r["start"], r["stop"]) for r in reports if r.get("start") and r.get("stop")]
 
 
 def phases(run: Run, spans: list[tuple[float, float]]) -> dict[str, float]:

@@ -35,7 +35,7 @@ DIST_HELP = (
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 LAUNCHER = Path(__file__).with_name("worker_launcher.py")
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
-PORT_FLOOR, PORT_TRIES = 10000, 100  # workers' MASTER_PORTs are drawn from PORT_FLOOR up
+PORT_FLOOR, PORT_TRIES = 10000, 100  # workers' MASTER_PORTs: from PORT_FLOOR up, not ephemeral
 _draw = random.SystemRandom()  # not the global generator, which a plugin may have seeded
 
 AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
