@@ -18,7 +18,7 @@ import pytest
 from . import layouts, markers
 from .ci import durations, path_options, selection
 from .coverage import rank_coverage
-from .driver import collection, dispatch, import_follower
+from .driver import bytecode, collection, dispatch, import_follower
 from .driver.pool import SESSION_SCOPE
 from .driver.runtime import RUNTIME, Runtime, gangs_per_device
 from .driver.timeouts import DEFAULT_TIMEOUT, default_timeout, timeout_of
@@ -106,7 +106,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     """Start the zygote's imports beside the driver's own, before the conftest files import the
     suite's packages (see import_follower); after pytest-cov started measuring (its hook is
-    tryfirst), so that a zygote started at once measures its preloads too."""
+    tryfirst), so that a zygote started at once measures its preloads too; with bytecode shared
+    first where it is off, so that the zygote compiles nothing the driver has compiled."""
+    bytecode.share(early_config)
     follower = import_follower.follow_imports(early_config)
     if follower is not None:
         early_config.stash[import_follower.FOLLOWER] = follower

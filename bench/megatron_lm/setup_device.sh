@@ -5,7 +5,9 @@
 #   bash bench/out/megatron_lm/setup_device.sh && . bench/out/megatron_lm/env.sh
 #
 # 1. installs wheels/ (megatron-core 0.16.1 and pydantic with its dependencies, for CPython 3.12,
-#    none of them in the image) into $TARGET, without deps and without an index;
+#    none of them in the image) into $TARGET, without deps and without an index, compiled as pip
+#    does by default (the image turns bytecode writing off: a module without a .pyc is compiled
+#    again by every process that imports it, as an installed package never is);
 # 2. installs xdist-megatron from this checkout into $TARGET too (its pytest11 entry point is what
 #    `-p no:xdist_megatron.plugin` and `--dist megatron` rely on);
 # 3. creates /opt/data/.offline: upstream's session fixture `ensure_test_data` downloads a data set
@@ -24,7 +26,7 @@ WHEELS=${WHEELS:-$HERE/wheels}
 DATA=${DATA:-/opt/data}
 
 pip_install() {
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
         --disable-pip-version-check --target "$TARGET" "$@"
 }
 

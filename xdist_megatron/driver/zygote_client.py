@@ -28,6 +28,7 @@ from ..protocol import (
     RankSpec,
     SignalRanks,
 )
+from . import bytecode
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # xdist_megatron/
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
@@ -68,6 +69,7 @@ class ZygoteClient:
             "cuda": cuda,
             "careful": careful,
             "coverage": dataclasses.asdict(coverage) if coverage else None,
+            "bytecode": bytecode.settings(),
         }
         command = [
             sys.executable,

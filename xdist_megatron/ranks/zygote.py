@@ -655,6 +655,10 @@ def main(argv: list[str]) -> int:
     _exit_with_owner()
     fd = int(argv[1])
     options = json.loads(argv[2])
+    # Compile as the driver does: where it shares a bytecode folder (driver/bytecode.py), its
+    # ranks and workers, forked from here, read and write it too.
+    sys.pycache_prefix = options["bytecode"]["prefix"]
+    sys.dont_write_bytecode = not options["bytecode"]["write"]
     modules = list(BASE_PRELOAD) + [m for m in options["preload"] if m not in BASE_PRELOAD]
     address = options["address"]
     os.environ[ZYGOTE_VAR] = str(os.getpid())

@@ -1,0 +1,46 @@
+"""Compiled code shared by the session's processes where the user turned bytecode writing off
+(`PYTHONDONTWRITEBYTECODE`, `python -B`: common in CI images).
+
+Without it every process compiles every module it imports from source that has no `.pyc` yet:
+the driver at collection, then the zygote, each xdist worker and each rank again, and pytest
+rewrites each test module's asserts once more in every rank that imports it. On an H200 host
+that was a third of the time to the first test of Megatron-LM's suite. So the driver writes
+bytecode after all, only into a folder of its own (`sys.pycache_prefix`), which the zygote, and
+so every worker and rank forked from it, reads and writes too, and which is removed when the
+session ends: nothing is written beside the sources, as the user asked. The environment is left
+as it is, so the tests' own subprocesses still write nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+from ..protocol import XDIST_WORKER_VAR, on_gang_rank, under_torchrun
+
+
+def share(config: pytest.Config) -> None:
+    """Where bytecode writing is off in a driver, turn it on into a session folder, until the
+    session ends. Ranks and xdist workers get the driver's settings from their zygote."""
+    if not sys.dont_write_bytecode or config.known_args_namespace.collectonly:
+        return
+    if on_gang_rank() or under_torchrun() or XDIST_WORKER_VAR in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="xdist-megatron-pyc-")
+    before = sys.pycache_prefix
+
+    def restore() -> None:
+        sys.pycache_prefix, sys.dont_write_bytecode = before, True
+        shutil.rmtree(folder, ignore_errors=True)
+
+    sys.pycache_prefix, sys.dont_write_bytecode = folder, False
+    config.add_cleanup(restore)
+
+
+def settings() -> dict[str, object]:
+    """This process's bytecode settings, which the zygotes it starts take over."""
+    return {"prefix": sys.pycache_prefix, "write": not sys.dont_write_bytecode}
