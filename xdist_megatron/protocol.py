@@ -104,6 +104,7 @@ class RankSpec:
     stack_path: str
     start_timeout: float
     coverage: CoverageTarget | None = None  # measure this rank (the driver measures itself)
+    threads: int | None = None  # torch's intra-op threads; None: torch's default
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,10 @@ class Gang:
         timeout: float = DEFAULT_TIMEOUT,
         zygote: ZygoteClient | None = None,
         workdir: str | None = None,
+        gangs_at_once: int = 1,
     ) -> None:
+        """`gangs_at_once`: how many gangs may run on this host at once, this one included (xdist
+        workers side by side): they share its cores."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -85,6 +88,7 @@ class Gang:
             raise GangError(f"needs {world_size} devices, {self.devices.count} available")
         self.backend = backend or default_backend(self.devices)
         self.timeout = timeout
+        self.gangs_at_once = gangs_at_once
         self._own_zygote = zygote is None
         self._own_workdir: str | None = None
         self._zygote = zygote
@@ -161,7 +165,22 @@ class Gang:
             stack_path=self._stack_path(port, rank),
             start_timeout=START_TIMEOUT,
             coverage=rank_coverage.driver_target(),
+            threads=self._threads(),
         )
+
+    def _threads(self) -> int | None:
+        """torchrun's rule, N ranks on a host get one thread each unless OMP_NUM_THREADS says
+        otherwise, extended to gangs side by side: a lone rank gets its share of the cores, not
+        all of them (eight ranks of 16 threads each would oversubscribe 16 cores)."""
+        import torch
+
+        if "OMP_NUM_THREADS" in os.environ:
+            return None
+        if self.world_size > 1:
+            return 1
+        if self.gangs_at_once > 1:
+            return max(1, torch.get_num_threads() // self.gangs_at_once)
+        return None
 
     def _await_ready(self) -> None:
         waiting = dict(zip(self._conns, range(self.world_size), strict=True))

@@ -46,8 +46,10 @@ class GangPool:
         host_zygote: str | None = None,
         host_zygote_log: str | None = None,
         name: str | None = None,
+        gangs_at_once: int = 1,
     ) -> None:
         self.devices = devices
+        self.gangs_at_once = gangs_at_once  # on this host, across workers: they share its cores
         self.locks = locks
         self.worker = worker
         self.backend = backend
@@ -192,6 +194,7 @@ class GangPool:
             self.backend,
             zygote=self._live_zygote(),
             workdir=self._workdir,
+            gangs_at_once=self.gangs_at_once,
         )
         self._gangs[world_size] = gang
         try:

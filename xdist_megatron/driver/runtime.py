@@ -182,8 +182,17 @@ class Runtime:
                 host_zygote=self.xdist.get("zygote") if self.xdist else None,
                 host_zygote_log=os.path.join(self.session_dir, HOST_ZYGOTE_LOG),
                 name=getattr(self.config, "workerinput", {}).get("workerid"),
+                gangs_at_once=self.gangs_at_once(),
             )
         return self._pool
+
+    def gangs_at_once(self) -> int:
+        """How many gangs may run on this host at once: one per xdist worker, at most K per
+        device; one in a serial run."""
+        if not self.xdist:
+            return 1
+        slots = self.devices.count * gangs_per_device(self.config)
+        return max(1, min(self.config.workerinput["workercount"], slots))
 
     def host_zygote(self) -> str:
         """In the xdist controller: the address of the zygote every worker shares, started on

@@ -133,10 +133,9 @@ def _join_process_group(spec: RankSpec) -> None:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        if spec.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # What torchrun does: N ranks on one host share its cores.
-            os.environ["OMP_NUM_THREADS"] = "1"
-            torch.set_num_threads(1)
+    if spec.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+        torch.set_num_threads(spec.threads)
     store = dist.TCPStore(
         spec.store_host,
         spec.store_port,
