@@ -13,6 +13,11 @@ A suite written for `torchrun --nproc-per-node N -m pytest` (Megatron-LM's unit 
             segfaults, one whose rank 1 hangs while rank 0 waits in a barrier. The plugin runs with
             `--megatron-timeout 20`; torchrun and its ranks are killed at `--fault-cap` s.
 
+Every run starts with empty just-in-time caches (Triton's kernels, torch's C++ extensions,
+inductor's code: `JIT_CACHES`), as on a fresh CI machine: otherwise the first run of a sitting
+builds what every later one reuses (a megatron-core test's NCCL allocator build took 22 s on the
+first run of an H200 and 0.03 s after).
+
 With `--rounds R` the runs of the first three modes repeat R times, each round starting with the
 next mode (the first run of a sitting meets cold caches), and a table gives each mode's wall time
 per round, its median, and the median's ratio to torchrun's.
@@ -77,6 +82,7 @@ SEVERITY = ("failed", "error", "skipped", "passed")  # worst first
 JUNIT_OUTCOMES = {"failure": "failed"}
 KILL_GRACE = 10.0  # seconds between SIGTERM and SIGKILL of a run's process group
 RUN_TAG = "REAL_SUITE_RUN"  # in each run's environment, to find all of its processes
+JIT_CACHES = ("TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR")
 LOG_TAIL = 15  # lines of a run's log shown when it went wrong
 FAULT_RANKS = 2  # the fault tests crash or hang rank 1
 
@@ -270,7 +276,16 @@ def execute(run: Run, cwd: Path, cap: float) -> None:
     Processes of the run still alive 3 s after it ended are reported (leftovers) and killed."""
     progress(f"{run.name}: {shlex.join(run.command)}")
     tag = f"{os.getpid()}-{run.name}-{time.time_ns()}"
-    env = {**os.environ, **run.env, "PYTHONUNBUFFERED": "1", RUN_TAG: tag}
+    caches = tempfile.mkdtemp(prefix=f"jit-caches-{run.name}-")
+    jit = {name: os.path.join(caches, name.lower()) for name in JIT_CACHES}
+    env = {**os.environ, **jit, **run.env, "PYTHONUNBUFFERED": "1", RUN_TAG: tag}
+    try:
+        _execute(run, cwd, cap, env, tag)
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
+
+
+def _execute(run: Run, cwd: Path, cap: float, env: dict[str, str], tag: str) -> None:
     with open(run.log, "w") as log:
         started, run.launched = time.monotonic(), time.time()
         proc = subprocess.Popen(
