@@ -15,8 +15,8 @@ A suite written for `torchrun --nproc-per-node N -m pytest` (Megatron-LM's unit 
 
 Every run starts with empty just-in-time caches (Triton's kernels, torch's C++ extensions,
 inductor's code: `JIT_CACHES`), as on a fresh CI machine: otherwise the first run of a sitting
-builds what every later one reuses (a megatron-core test's NCCL allocator build took 22 s on the
-first run of an H200 and 0.03 s after).
+builds what every later one reuses. (What a package builds into its own folder is the setup's
+to build once: megatron-core's NCCL allocator, see megatron_lm/setup_device.sh.)
 
 With `--rounds R` the runs of the first three modes repeat R times, each round starting with the
 next mode (the first run of a sitting meets cold caches), and a table gives each mode's wall time

@@ -57,4 +57,11 @@ print("megatron-core", metadata.version("megatron-core"), "| pytest", metadata.v
       "| xdist", metadata.version("pytest-xdist"), "| torch", torch.__version__,
       "| GPUs", torch.cuda.device_count())
 EOF
+# megatron-core builds its NCCL allocator (cpp_extension.load_inline) into its own package folder
+# on first use: ~20 s that only the first run on a machine paid (test_nccl_allocator). Built here,
+# so that every run of the sitting finds it built.
+if "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    "$PYTHON" -c "from megatron.core import nccl_allocator; nccl_allocator._build_nccl_allocator()" \
+        >/dev/null 2>&1 || echo "the NCCL allocator did not build: its first test will"
+fi
 echo "ready: . $HERE/env.sh; cd $HERE; python3 ../../real_suite.py tests/unit_tests --nproc 2"
