@@ -199,6 +199,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--profile-collection", metavar="PATH", help="run the first collect-only under cProfile"
     )
+    parser.add_argument(
+        "--collected",
+        metavar="PATH",
+        help="the collected ids: read from PATH if it exists, else collected and written there "
+        "(later calls of a device sitting skip the collect-only)",
+    )
     add_devices_option(parser)
     args = parser.parse_args(argv)
     args.modes = [mode for mode in args.modes.split(",") if mode]
@@ -502,7 +508,7 @@ def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Ru
     runs = []
     timed = [mode for mode in modes if is_timed(mode)]
     if timed:
-        expected = collect(plan.testdir, plan.cwd, plan.pytest_args, args.profile_collection)
+        expected = collected(plan, args)
         for index in range(args.rounds):
             first = index % len(timed)
             for mode in timed[first:] + timed[:first]:
@@ -511,6 +517,19 @@ def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Ru
     if "faults" in modes:
         runs.extend(run_faults(plan, args))
     return runs
+
+
+def collected(plan: Plan, args: argparse.Namespace) -> list[str]:
+    """The ids every timed run is checked against, from `--collected` where that file exists."""
+    store = Path(args.collected) if args.collected else None
+    if store is not None and store.is_file():
+        ids = store.read_text().splitlines()
+        progress(f"collected {len(ids)} tests (read from {store})")
+        return ids
+    ids = collect(plan.testdir, plan.cwd, plan.pytest_args, args.profile_collection)
+    if store is not None and ids:
+        store.write_text("\n".join(ids) + "\n")
+    return ids
 
 
 def is_timed(mode: str) -> bool:

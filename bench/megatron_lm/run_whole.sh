@@ -7,6 +7,7 @@
 # the kernel kills the rank) and keeps going past the modules that cannot import here.
 # With TESTS=FILE only the test paths FILE lists run (te_files.txt: the TE set); a PYTHONPATH
 # already set (Transformer Engine's /tmp/site) stays, after the suite's own.
+# The collected ids are kept in /tmp for the machine's later calls (collect-only: ~27 s).
 # The logs and junit files come back as one archive, runs-NAME.tgz (8 files come back at most).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -23,7 +24,7 @@ cd "$HERE"
 PATHS=(tests/unit_tests)
 if [[ -n ${TESTS:-} ]]; then mapfile -t PATHS < <(grep -v '^#' "$TESTS"); fi
 python3 ../../real_suite.py "${PATHS[0]}" --nproc 1 --modes "$MODES" --out "$OUT/runs-$NAME" \
-  --json "$OUT/$NAME.json" --cap 560 \
+  --json "$OUT/$NAME.json" --cap 560 --collected "/tmp/collected-$(basename "${TESTS:-whole}").txt" \
   --pytest-args="--continue-on-collection-errors -p no:cacheprovider --deselect tests/unit_tests/dist_checkpointing/models/test_mlp_glu.py::TestParallelMLPWithGLU::test_oom_is_handled ${PATHS[*]:1}" "$@"
 status=$?
 tar czf "$OUT/runs-$NAME.tgz" -C "$OUT" "runs-$NAME" && rm -rf "$OUT/runs-$NAME"
