@@ -8,8 +8,9 @@ compiling and rewriting were 24.6 s of a profiled 57 s collection of Megatron-LM
 one process. So the driver writes
 bytecode after all, only into a folder of its own (`sys.pycache_prefix`), which the zygote, and
 so every worker and rank forked from it, reads and writes too, and which is removed when the
-session ends: nothing is written beside the sources, as the user asked. The environment is left
-as it is, so the tests' own subprocesses still write nothing.
+session ends: nothing is written beside the sources, as the user asked, and the bytecode
+installed beside them is still read (`pycache.py`). The environment is left as it is, so the
+tests' own subprocesses still write nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 
 import pytest
 
+from .. import pycache
 from ..protocol import XDIST_WORKER_VAR, on_gang_rank, under_torchrun
 
 
@@ -35,13 +37,8 @@ def share(config: pytest.Config) -> None:
     before = sys.pycache_prefix
 
     def restore() -> None:
-        sys.pycache_prefix, sys.dont_write_bytecode = before, True
+        pycache.stop(before, write=False)
         shutil.rmtree(folder, ignore_errors=True)
 
-    sys.pycache_prefix, sys.dont_write_bytecode = folder, False
+    pycache.share(folder)
     config.add_cleanup(restore)
-
-
-def settings() -> dict[str, object]:
-    """This process's bytecode settings, which the zygotes it starts take over."""
-    return {"prefix": sys.pycache_prefix, "write": not sys.dont_write_bytecode}

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import IO, Any
 
+from .. import pycache
 from ..coverage import rank_coverage
 from ..protocol import (
     DriverLeft,
@@ -28,7 +29,6 @@ from ..protocol import (
     RankSpec,
     SignalRanks,
 )
-from . import bytecode
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # xdist_megatron/
 HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' shared zygote
@@ -69,7 +69,7 @@ class ZygoteClient:
             "cuda": cuda,
             "careful": careful,
             "coverage": dataclasses.asdict(coverage) if coverage else None,
-            "bytecode": bytecode.settings(),
+            "bytecode": pycache.settings(),
         }
         command = [
             sys.executable,

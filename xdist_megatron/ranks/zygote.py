@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
+from .. import pycache
 from ..coverage import rank_coverage
 from ..protocol import (
     CUDA_AT_IMPORT,
@@ -657,8 +658,7 @@ def main(argv: list[str]) -> int:
     options = json.loads(argv[2])
     # Compile as the driver does: where it shares a bytecode folder (driver/bytecode.py), its
     # ranks and workers, forked from here, read and write it too.
-    sys.pycache_prefix = options["bytecode"]["prefix"]
-    sys.dont_write_bytecode = not options["bytecode"]["write"]
+    pycache.apply(options["bytecode"])
     modules = list(BASE_PRELOAD) + [m for m in options["preload"] if m not in BASE_PRELOAD]
     address = options["address"]
     os.environ[ZYGOTE_VAR] = str(os.getpid())
