@@ -74,7 +74,7 @@ from _util import (
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
 RANK_SCRIPT = Path(__file__).with_name("torchrun_rank.py")  # what torchrun starts on each rank
-MODES = ("torchrun", "serial", "xdist", "faults")
+MODES = ("torchrun", "serial", "xdist", "faults", "collect")  # collect: --collected only
 TIMED = MODES[:3]  # the modes --rounds repeats, with every xdist-kK
 SHARED_XDIST = re.compile(r"xdist-k([1-9][0-9]*)")  # xdist, K gangs per device
 LOST = "lost"
@@ -507,6 +507,8 @@ def phases(run: Run, spans: list[tuple[float, float]]) -> dict[str, float]:
 def run_modes(plan: Plan, modes: list[str], args: argparse.Namespace) -> list[Run]:
     runs = []
     timed = [mode for mode in modes if is_timed(mode)]
+    if "collect" in modes and not timed:
+        collected(plan, args)
     if timed:
         expected = collected(plan, args)
         for index in range(args.rounds):

@@ -7,7 +7,9 @@
 # the kernel kills the rank) and keeps going past the modules that cannot import here.
 # With TESTS=FILE only the test paths FILE lists run (te_files.txt: the TE set); a PYTHONPATH
 # already set (Transformer Engine's /tmp/site) stays, after the suite's own.
-# The collected ids are kept in /tmp for the machine's later calls (collect-only: ~27 s).
+# The collected ids are kept in /tmp for the machine's later calls (collect-only: ~27 s). MODES
+# `collect` sets up and collects only: a first call of ~100 s, so that every later call of the
+# sitting has its 600 s for two whole runs (serial and K = 1 took 480-530 s together).
 # The logs and junit files come back as one archive, runs-NAME.tgz (8 files come back at most).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
