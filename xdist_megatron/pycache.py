@@ -23,15 +23,19 @@ UNCHECKED_HASH = 1  # flags of a hash-based pyc the loader does not check agains
 
 def settings() -> dict[str, object]:
     """This process's bytecode settings, for a zygote it starts to `apply`."""
-    return {"prefix": sys.pycache_prefix, "write": not sys.dont_write_bytecode}
+    return {
+        "prefix": sys.pycache_prefix,
+        "write": not sys.dont_write_bytecode,
+        "shared": _bootstrap_external.cache_from_source is installed_or_shared,
+    }
 
 
 def apply(settings: dict[str, object]) -> None:
-    """Compile as `settings` (another process's) say; share their prefix where they write."""
+    """Compile as `settings` (another process's) say, sharing its folder where it shares one."""
     prefix = settings["prefix"]
-    if settings["write"] and isinstance(prefix, str):
+    if settings["shared"] and isinstance(prefix, str):
         share(prefix)
-    else:
+    else:  # a prefix of the user's own is theirs: Python's rules, unchanged
         sys.pycache_prefix, sys.dont_write_bytecode = prefix, not settings["write"]
 
 
