@@ -13,8 +13,6 @@ import pytest
 SUITE = """
 import glob
 import os
-import py_compile
-import sys
 import sys
 
 import local_helper
@@ -50,8 +48,6 @@ def test_ranks_read_the_bytecode_the_session_compiled(pytester, run_pytest, monk
 INSTALLED = """
 import glob
 import os
-import py_compile
-import sys
 import sys
 
 import installed_helper

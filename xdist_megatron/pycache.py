@@ -56,8 +56,6 @@ def installed_or_shared(
 ) -> str:
     """`cache_from_source`, but the file beside `path` where it is current bytecode of it."""
     shared = PLAIN(path, debug_override, optimization=optimization)
-    if not sys.pycache_prefix:
-        return shared
     beside = os.path.join(os.path.dirname(path), "__pycache__", os.path.basename(shared))
     return beside if current(beside, path) else shared
 

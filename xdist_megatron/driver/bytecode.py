@@ -5,12 +5,11 @@ Without it every process compiles every module it imports from source that has n
 the driver at collection, then the zygote, each xdist worker and each rank again, and pytest
 rewrites each test module's asserts once more in every rank that imports it. On an H200 host,
 compiling and rewriting were 24.6 s of a profiled 57 s collection of Megatron-LM's suite, in that
-one process. So the driver writes
-bytecode after all, only into a folder of its own (`sys.pycache_prefix`), which the zygote, and
-so every worker and rank forked from it, reads and writes too, and which is removed when the
-session ends: nothing is written beside the sources, as the user asked, and the bytecode
-installed beside them is still read (`pycache.py`). The environment is left as it is, so the
-tests' own subprocesses still write nothing.
+one process. So the driver writes bytecode after all, only into a folder of its own
+(`sys.pycache_prefix`), which the zygote, and so every worker and rank forked from it, reads and
+writes too, and which is removed when the session ends: nothing is written beside the sources,
+as the user asked, and the bytecode installed beside them is still read (`pycache.py`). The
+environment is left as it is, so the tests' own subprocesses still write nothing.
 """
 
 from __future__ import annotations
