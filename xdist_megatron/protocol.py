@@ -53,6 +53,12 @@ def on_gang_rank() -> bool:
     return ZYGOTE_VAR in os.environ and "RANK" in os.environ
 
 
+def session_owner() -> bool:
+    """True in the serial driver or the xdist controller, which start what a host's processes
+    share; not in a rank, a torchrun rank or an xdist worker."""
+    return not (on_gang_rank() or under_torchrun() or XDIST_WORKER_VAR in os.environ)
+
+
 def module_of(nodeid: str) -> str:
     """The module part of a node id: what tests of one module share, on gangs and in units."""
     return nodeid.split("::")[0]

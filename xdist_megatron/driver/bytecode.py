@@ -14,7 +14,6 @@ environment is left as it is, so the tests' own subprocesses still write nothing
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -22,15 +21,14 @@ import tempfile
 import pytest
 
 from .. import pycache
-from ..protocol import XDIST_WORKER_VAR, on_gang_rank, under_torchrun
+from ..protocol import session_owner
 
 
 def share(config: pytest.Config) -> None:
     """Where bytecode writing is off in a driver, turn it on into a session folder, until the
     session ends. Ranks and xdist workers get the driver's settings from their zygote."""
-    if not sys.dont_write_bytecode or config.known_args_namespace.collectonly:
-        return
-    if on_gang_rank() or under_torchrun() or XDIST_WORKER_VAR in os.environ:
+    collect_only = config.known_args_namespace.collectonly
+    if not sys.dont_write_bytecode or collect_only or not session_owner():
         return
     folder = tempfile.mkdtemp(prefix="xdist-megatron-pyc-")
     before = sys.pycache_prefix

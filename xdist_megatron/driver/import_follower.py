@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ..protocol import DIST_MODE, XDIST_WORKER_VAR, on_gang_rank, under_torchrun
+from ..protocol import DIST_MODE, session_owner
 from . import zygote_client
 from .preload import Preloadable, gpus_likely, preloadable_of, with_base
 from .zygote_client import ZygoteClient
@@ -32,7 +32,7 @@ def follow_imports(config: pytest.Config) -> ImportFollower | None:
     """A follower for the serial driver, or the xdist controller's shared zygote; none in ranks,
     xdist workers (they join the controller's), other xdist modes and --collect-only."""
     known = config.known_args_namespace
-    if on_gang_rank() or under_torchrun() or XDIST_WORKER_VAR in os.environ:
+    if not session_owner():
         return None
     controller = bool(getattr(known, "numprocesses", None) or getattr(known, "tx", None))
     if known.collectonly or (controller and getattr(known, "dist", None) != DIST_MODE):
