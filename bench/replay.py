@@ -1,8 +1,9 @@
 """Replay a recorded run: what `-n D --dist megatron` would take on D = 1, 2, 4 and 8 devices.
 
 Reads a run's junit XML (`--junitxml`: the plugin writes each marked test's world size into its
-properties), a durations file (`--megatron-durations PATH --megatron-store-durations`) or one run
-of a `bench/real_suite.py --json` file (`--run NAME`; every test at its `--nproc`), and prints,
+properties), its run report (`--megatron-report PATH.json`: pytest's node ids, each test's span),
+a durations file (`--megatron-durations PATH --megatron-store-durations`) or one run of a
+`bench/real_suite.py --json` file (`--run NAME`; every test at its `--nproc`), and prints,
 for each D, against the same tests:
 
 - serial: the sum of the durations (the plugin without xdist: one test after another);
@@ -11,13 +12,17 @@ for each D, against the same tests:
   the same sum, plus `--session-start` seconds for each session's processes to start;
 - megatron: the makespan of the package's simulator (xdist_megatron/xdist/simulator.py: the real
   `MegatronScheduling`, D x K fake xdist workers as `-n auto` starts with `--gangs-per-device K`,
-  a clock), told the durations (a run after one that stored them) or, with `--first-run`, none;
+  a clock), told the durations (a run after one that stored them), those of `--told PATH` (the
+  durations file the recorded run was given) or, with `--first-run`, none; with `--before REV`,
+  beside it the scheduler of git revision REV;
 - the ideal bound: max(device-seconds / (D x K), longest test).
 
 What the lane would gain on hardware the project cannot borrow yet. A recorded duration is the
 test's setup, call and teardown, so it already holds the recorded run's gang starts and module
 collections; `--gang-start` and `--module-cost` (default 0) charge each one the simulated schedule
 makes on top of that. Tests of more ranks than D are left out, and a `left out:` line says which.
+`--exclusive PREFIX` marks the tests whose node ids start with PREFIX `exclusive_devices`, as a
+suite's conftest marks them (the record does not say).
 Run `python bench/replay.py --help` for the options.
 """
 
@@ -28,6 +33,7 @@ import json
 import sys
 import xml.etree.ElementTree as ElementTree
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ from _util import (
     left_out_line,
     machine,
     ratio,
+    scheduler_at,
     simulator,
     table,
     write_json,
@@ -48,7 +55,8 @@ DEVICE_COUNTS = (1, 2, 4, 8)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "record", help="a junit XML file, a durations file or a real_suite.py JSON file"
+        "record",
+        help="a junit XML file, a run report, a durations file or a real_suite.py JSON file",
     )
     parser.add_argument("--run", help="the run of a real_suite.py JSON file (default its first)")
     parser.add_argument(
@@ -86,8 +94,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the scheduler knows no durations (a first run, or one without the pytest cache)",
     )
+    parser.add_argument(
+        "--told",
+        metavar="PATH",
+        help="a durations file the scheduler is told instead (the run's --megatron-durations)",
+    )
+    parser.add_argument(
+        "--exclusive",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="mark the tests whose node ids start with PREFIX exclusive_devices (repeatable)",
+    )
+    parser.add_argument(
+        "--before", metavar="REV", help="also replay with the scheduler of git revision REV"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the numbers to PATH as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.told and args.first_run:
+        parser.error("--told and --first-run: the scheduler is told one or the other")
+    return args
 
 
 # -- reading a record -----------------------------------------------------------------------------
@@ -101,6 +127,8 @@ def read_record(path: Path, run: str | None = None) -> list[Any]:
     data = json.loads(text)
     if isinstance(data, dict) and "runs" in data:
         return from_real_suite(data, run)
+    if isinstance(data, dict) and isinstance(data.get("tests"), list):
+        return from_report(data)
     return from_durations(data)
 
 
@@ -142,6 +170,22 @@ def from_durations(data: dict) -> list[Any]:
     ]
 
 
+def from_report(data: dict) -> list[Any]:
+    """A run report: {"tests": [{nodeid, world_size, start, end, ...}]}, each test's span on its
+    worker (its setup, call and teardown), in the order the tests started."""
+    sim = simulator()
+    entries = sorted(data["tests"], key=lambda entry: entry["start"])
+    return [
+        sim.SimTest(
+            entry["nodeid"],
+            entry["nodeid"].split("::")[0],
+            entry.get("world_size"),
+            entry["end"] - entry["start"],
+        )
+        for entry in entries
+    ]
+
+
 def from_real_suite(data: dict, run: str | None) -> list[Any]:
     """One run of a real_suite.py JSON file: its tests (junit keys) at the file's --nproc."""
     runs = {entry["name"]: entry for entry in data["runs"]}
@@ -165,18 +209,36 @@ def torchrun_buckets(tests: list[Any], session_start: float) -> float:
     return sum(test.duration for test in tests) + session_start * len(buckets)
 
 
+def mark_exclusive(tests: list[Any], prefixes: list[str]) -> list[Any]:
+    """The tests, those whose node ids start with one of `prefixes` marked exclusive_devices."""
+    return [
+        replace(t, exclusive=True) if any(t.nodeid.startswith(p) for p in prefixes) else t
+        for t in tests
+    ]
+
+
 def replay(
-    tests: list[Any], count: int, costs: Any, session_start: float, slots: int, first_run: bool
+    tests: list[Any],
+    count: int,
+    costs: Any,
+    session_start: float,
+    slots: int,
+    known: dict[str, float] | None,
+    before: Any = None,
 ) -> dict[str, Any]:
-    """The figures on `count` devices, `slots` gangs per device, for the tests that fit them."""
+    """The figures on `count` devices, `slots` gangs per device, for the tests that fit them;
+    `known`: what the scheduler is told (None: the recorded durations); `before`: a scheduler
+    class to replay beside today's."""
     sim = simulator()
     fitting = [t for t in tests if (t.world_size or 1) <= count]
     workers = count * slots
     devices = sim.cpu_devices(count, workers, slots)
-    known = {} if first_run else None
     result = sim.simulate(fitting, devices, workers, costs, known) if fitting else None
     serial = sum(t.duration for t in fitting)
     megatron = result.makespan if result else 0.0
+    earlier = None
+    if before is not None and fitting:
+        earlier = sim.simulate(fitting, devices, workers, costs, known, scheduler=before).makespan
     return {
         "devices": count,
         "tests": len(fitting),
@@ -184,6 +246,7 @@ def replay(
         "serial": serial,
         "torchrun": torchrun_buckets(fitting, session_start),
         "megatron": megatron,
+        "before": earlier,
         "ideal": result.ideal if result else 0.0,
         "gang_starts": result.gang_starts if result else 0,
         "steals": result.steals if result else 0,
@@ -195,7 +258,7 @@ def seconds(value: float) -> str:
     return f"{value + 1e-9:.2f}"
 
 
-def report(rows: list[dict[str, Any]]) -> str:
+def report(rows: list[dict[str, Any]], before: str | None = None) -> str:
     headers = [
         "devices (-n D)",
         "tests",
@@ -223,6 +286,11 @@ def report(rows: list[dict[str, Any]]) -> str:
         ]
         for row in rows
     ]
+    if before is not None:  # the scheduler at `before`, beside today's
+        headers[5:5] = [f"{before}, simulated (s)", f"{before} / megatron"]
+        for row, line in zip(rows, cells, strict=True):
+            earlier = row["before"] or 0.0
+            line[5:5] = [seconds(earlier), ratio(earlier, row["megatron"])]
     return table(headers, cells)
 
 
@@ -239,13 +307,17 @@ def left_out(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sim = simulator()
-    tests = read_record(Path(args.record), args.run)
+    tests = mark_exclusive(read_record(Path(args.record), args.run), args.exclusive)
     if not tests:
         raise SystemExit(f"{args.record}: no tests recorded")
+    known = {} if args.first_run else None
+    if args.told:
+        known = {t.nodeid: t.duration for t in read_record(Path(args.told))}
+    before = scheduler_at(args.before) if args.before else None
     counts = [int(part) for part in args.device_counts.split(",")]
     costs = sim.Costs(gang_start=args.gang_start, module=args.module_cost)
     rows = [
-        replay(tests, count, costs, args.session_start, args.gangs_per_device, args.first_run)
+        replay(tests, count, costs, args.session_start, args.gangs_per_device, known, before)
         for count in counts
     ]
     sizes = Counter(t.world_size or 0 for t in tests)
@@ -257,11 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         f"costs   : gang start {args.gang_start} s, module {args.module_cost} s (simulated); "
         f"torchrun session start {args.session_start} s"
     )
-    known = "none (a first run)" if args.first_run else "the recorded ones (a later run)"
-    print(f"schedule: {args.gangs_per_device} gang(s) per device; durations known: {known}")
+    told = "none (a first run)" if args.first_run else "the recorded ones (a later run)"
+    if args.told:
+        told = f"those of {args.told}"
+    exclusive = sum(t.exclusive for t in tests)
+    print(
+        f"schedule: {args.gangs_per_device} gang(s) per device; durations known: {told}; "
+        f"{exclusive} test(s) exclusive_devices"
+    )
     print(left_out(rows))
     print()
-    print(report(rows))
+    print(report(rows, args.before))
     if args.json:
         data = [{**r, "left_out": {str(k): v for k, v in r["left_out"].items()}} for r in rows]
         write_json(args.json, {"record": args.record, "rows": data})

@@ -211,6 +211,42 @@ def test_replay_of_a_real_suite_run_with_gangs_sharing_a_device(tmp_path: Path) 
         assert row["megatron"] < 8.0 * 0.75, row
 
 
+def test_replay_of_a_run_report_told_other_durations(tmp_path: Path) -> None:
+    """A `--megatron-report` file replayed as its run was scheduled: told a durations file that
+    has one test far shorter than it ran, two tests marked exclusive, and beside today's
+    scheduler the one of HEAD."""
+    spans = [("m0", [0.5, 3.0, 0.5, 0.5])] + [(f"m{m}", [0.5, 0.5, 0.5, 2.0]) for m in (1, 2, 3)]
+    spans.append(("x", [0.1, 0.1]))
+    entries, told, clock = [], {}, 0.0
+    for module, durations in spans:
+        for i, duration in enumerate(durations):
+            nodeid = f"tests/{module}.py::t{i}"
+            entries.append({"nodeid": nodeid, "world_size": 1, "start": clock,
+                            "end": clock + duration})  # fmt: skip
+            told[nodeid] = {"world_size": 1, "duration": 0.5 if module == "m0" else duration}
+            clock += duration
+    record, durations_file = tmp_path / "report.json", tmp_path / "told.json"
+    record.write_text(json.dumps({"version": 1, "devices": [0], "tests": entries}))
+    durations_file.write_text(json.dumps({"version": 1, "tests": told}))
+    replay = [sys.executable, str(BENCH / "replay.py"), str(record), "--device-counts", "1",
+              "--gangs-per-device", "4", "--gang-start", "0.1", "--module-cost", "0.05",
+              "--told", str(durations_file), "--exclusive", "tests/x.py::", "--before", "HEAD",
+              "--json", "out.json"]  # fmt: skip
+    done = run(replay, tmp_path)
+    assert_ran_and_said(
+        done,
+        [
+            "18 tests (ws1 x18)",
+            f"durations known: those of {durations_file}",
+            "2 test(s) exclusive_devices",
+            "HEAD, simulated (s)",
+        ],
+    )
+    (row,) = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert row["megatron"] == pytest.approx(5.0)  # as tests/test_simulator.py's same lane
+    assert row["before"] is not None
+
+
 def test_sim_lanes_prints_today_against_before(tmp_path: Path) -> None:
     """bench/sim_lanes.py on two lanes: today's scheduler with and without known durations (the
     one at --before too, where git has it)."""

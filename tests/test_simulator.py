@@ -204,3 +204,20 @@ def test_an_exclusive_test_runs_alone_on_its_devices() -> None:
         if span is not alone and set(span.devices) & set(alone.devices):
             assert span.end <= alone.start or alone.end <= span.start
     assert result.most_slots == 2
+
+
+def test_an_exclusive_unit_goes_first_where_gangs_share_a_device() -> None:
+    """One device, K = 4, and a test of m0 far longer than known (3 s, known as 0.5 s). The
+    short exclusive unit runs first, while the device is free. Sent last (as units of its size
+    and duration were), it waited for m0's long test: nothing else could be sent meanwhile, so
+    the other workers held back their last (2 s) tests until then (makespan 6.4 s)."""
+    lane = lane_of("m0.py", 1, [0.5, 3.0, 0.5, 0.5])
+    lane += [t for m in (1, 2, 3) for t in lane_of(f"m{m}.py", 1, [0.5, 0.5, 0.5, 2.0])]
+    lane += [SimTest(f"x.py::t{i}", "x.py", 1, 0.1, exclusive=True) for i in range(2)]
+    known = {t.nodeid: 0.5 if t.module == "m0.py" else t.duration for t in lane}
+    devices = cpu_devices(1, 4, gangs_per_device=4)
+    result = simulate(lane, devices, 4, Costs(0.1, 0.05), known=known)
+    alone = [span for span in result.spans if span.nodeid.startswith("x.py")]
+    others = [span for span in result.spans if not span.nodeid.startswith("x.py")]
+    assert max(span.end for span in alone) <= min(span.start for span in others)
+    assert result.makespan == pytest.approx(5.0)

@@ -1,13 +1,14 @@
 """`--dist megatron`: xdist scheduling of (module, world size) units onto device blocks.
 
 Units are all tests of one module with one world size (unmarked tests: one unit per module, on
-the worker's home device; `exclusive_devices` tests: units of their own). The largest sizes go
-first, then the longest known durations; a worker gets a unit only when each of the unit's devices
-has a slot free of the other workers' pending work (`gangs_per_device` slots per device, all of
-them for an exclusive unit), so gangs on disjoint devices, and up to K gangs on one, run at
-once. A worker holding back a test is served first and filled until it is busy (`BUSY_PENDING`)
-before the next worker, and a unit goes to the worker that already has a gang of its size on the
-same devices.
+the worker's home device; `exclusive_devices` tests: units of their own). The units that take
+the most device slots go first (the largest sizes, and exclusive units where a device holds
+several gangs), then the longest known durations; a worker gets a unit only when each of the
+unit's devices has a slot free of the other workers' pending work (`gangs_per_device` slots per
+device, all of them for an exclusive unit), so gangs on disjoint devices, and up to K gangs on
+one, run at once. A worker holding back a test is served first and filled until it is busy
+(`BUSY_PENDING`) before the next worker, and a unit goes to the worker that already has a gang
+of its size on the same devices.
 
 A unit stays whole (its tests share one gang start and one collection of the module) unless
 splitting it shortens the makespan by the estimated durations, a part run elsewhere paying
@@ -57,8 +58,13 @@ class Unit:
     nodeids: list[str] = field(default_factory=list)
     duration: float = 0.0
 
-    def priority(self) -> tuple:
-        return (-(self.world_size or 1), -self.duration, self.module)
+    def priority(self, devices: placement.DeviceSet) -> tuple:
+        """Most device slots first (world size times the slots a gang takes of each device):
+        what needs the most free at once is sent while it is free. An exclusive unit left for
+        the tail would wait for every other gang on its devices, while their workers hold back
+        their last tests, as nothing else may be sent."""
+        slots = (self.world_size or 1) * devices.slots_for(self.exclusive)
+        return (-slots, -(self.world_size or 1), -self.duration, self.module)
 
 
 @dataclass(frozen=True)
@@ -231,7 +237,10 @@ class MegatronScheduling:
             unit.duration += duration
             self.estimates[self.index_of[nodeid]] = duration
         self.queue.extend(units.values())
-        self.queue.sort(key=Unit.priority)
+        self._sort_queue()
+
+    def _sort_queue(self) -> None:
+        self.queue.sort(key=lambda unit: unit.priority(self.devices))
 
     def world_size_of(self, nodeid: str) -> int | None:
         """The test's world size, as its worker published it (None: unmarked)."""
@@ -359,7 +368,7 @@ class MegatronScheduling:
             start += size
         self.queue.remove(unit)
         self.queue.extend(parts)
-        self.queue.sort(key=Unit.priority)
+        self._sort_queue()
         self._log(f"split {unit.module} ws{unit.world_size} into {sizes}")
         return parts[0]
 
