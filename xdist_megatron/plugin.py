@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from . import layouts, markers
+from . import layouts, markers, parsed_sources
 from .ci import durations, path_options, selection
 from .coverage import rank_coverage
 from .driver import bytecode, collection, dispatch, import_follower
@@ -122,6 +122,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
     )
     runtime = config.stash[RUNTIME] = Runtime(config)
+    undo = parsed_sources.install()  # in every process: driver, xdist worker, rank
+    if undo is not None:
+        config.add_cleanup(undo)
     default_timeout(config)  # a bad value is a usage error now, not a failure per test
     gangs_per_device(config)
     selection.check(config)
