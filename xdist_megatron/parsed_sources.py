@@ -20,7 +20,7 @@ import _pytest._code.code as pytest_code
 import _pytest._code.source as pytest_source
 
 MODULES = (pytest_code, pytest_source)  # each calls the function by its own global name
-KEPT = 32  # trees kept: about 3 MiB for a 2,500-line file
+KEPT = 16  # trees kept per process: one is about 3 MiB for a 2,500-line file
 
 
 def install() -> Callable[[], None] | None:
