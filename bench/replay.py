@@ -304,15 +304,23 @@ def left_out(rows: list[dict[str, Any]]) -> str:
     return left_out_line(notes)
 
 
+def durations_told(args: argparse.Namespace) -> tuple[dict[str, float] | None, str]:
+    """What the simulated scheduler is told (None: the recorded durations), and how to say so."""
+    if args.told:
+        told = {t.nodeid: t.duration for t in read_record(Path(args.told))}
+        return told, f"those of {args.told}"
+    if args.first_run:
+        return {}, "none (a first run)"
+    return None, "the recorded ones (a later run)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sim = simulator()
     tests = mark_exclusive(read_record(Path(args.record), args.run), args.exclusive)
     if not tests:
         raise SystemExit(f"{args.record}: no tests recorded")
-    known = {} if args.first_run else None
-    if args.told:
-        known = {t.nodeid: t.duration for t in read_record(Path(args.told))}
+    known, told = durations_told(args)
     before = scheduler_at(args.before) if args.before else None
     counts = [int(part) for part in args.device_counts.split(",")]
     costs = sim.Costs(gang_start=args.gang_start, module=args.module_cost)
@@ -329,9 +337,6 @@ def main(argv: list[str] | None = None) -> int:
         f"costs   : gang start {args.gang_start} s, module {args.module_cost} s (simulated); "
         f"torchrun session start {args.session_start} s"
     )
-    told = "none (a first run)" if args.first_run else "the recorded ones (a later run)"
-    if args.told:
-        told = f"those of {args.told}"
     exclusive = sum(t.exclusive for t in tests)
     print(
         f"schedule: {args.gangs_per_device} gang(s) per device; durations known: {told}; "
