@@ -55,6 +55,7 @@ STOP_TIMEOUT = 30.0
 IMPORTS_VAR = "GANG_START_IMPORTS"
 BASE_MODULES = ["torch", "torch.distributed"]
 MEGATRON = "megatron.core"
+TRANSFORMER_ENGINE = "transformer_engine.pytorch"
 SUITE_FILE = "test_noop.py"
 PER_TEST_SIZE = 2  # the world size of the per-test suite's marked tests, where it fits
 TARGET_WARM_S = 0.1
@@ -69,6 +70,7 @@ class Settings:
     cold_repeats: int
     tests: int
     use_megatron: bool
+    use_te: bool
     json_path: str | None
     devices: Devices
     left_out: list[str]  # why each asked size that does not fit was left out
@@ -91,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, sizes and tests")
     parser.add_argument(
         "--no-megatron", action="store_true", help="leave megatron.core out of both gangs"
+    )
+    parser.add_argument(
+        "--with-te",
+        action="store_true",
+        help=f"add {TRANSFORMER_ENGINE} to both gangs' imports where it is installed (the zygote "
+        "leaves it to the ranks if it initialises CUDA at import)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
     add_devices_option(parser)
@@ -117,8 +125,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
             f"its marked tests are world_size({per_test_size})"
         )
     return Settings(
-        kept, repeats, cold_repeats, tests, not args.no_megatron, args.json, devices, left_out,
-        per_test_size,
+        kept, repeats, cold_repeats, tests, not args.no_megatron, args.with_te, args.json, devices,
+        left_out, per_test_size,
     )  # fmt: skip
 
 
@@ -241,20 +249,20 @@ def log_tail(log: IO[bytes], lines: int = 20) -> str:
 
 
 def start_zygote(
-    modules: list[str], log: IO[bytes], standby: int, devices: Devices
+    modules: list[str], log: IO[bytes], standby: int, devices: Devices, careful: bool
 ) -> tuple[Any, float]:
     """A zygote that keeps `standby` ranks forked, as the plugin's does in a serial run; the time
-    until its imports are done."""
+    until its imports are done. `careful`: it leaves to the ranks what initialises CUDA."""
     start = time.perf_counter()
-    zygote = zygote_client(modules, log, standby=standby, cuda=not devices.is_cpu)
+    zygote = zygote_client(modules, log, standby=standby, cuda=not devices.is_cpu, careful=careful)
     zygote.preload_failures  # noqa: B018 - waits until the zygote is ready
     return zygote, time.perf_counter() - start
 
 
-def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str) -> float:
+def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str, imports: list[str]) -> float:
     """Seconds from asking for a gang to every rank having finished one all_reduce on its
     device (NCCL on GPUs): the fork from the zygote, the rendezvous, the rank's CUDA context and
-    the first communicator."""
+    the first communicator, and the `imports` the zygote left to the ranks."""
     # Imported here: spawned ranks run this file and must import only what they are timed on.
     from xdist_megatron import Gang
 
@@ -263,14 +271,17 @@ def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str) -> float:
     gang = Gang(world_size=size, devices=devices, zygote=zygote, workdir=workdir)
     try:
         gang.start()
-        gang.run(all_reduce_once)
+        gang.run(all_reduce_once, imports)
         return time.perf_counter() - start
     finally:
         gang.close()
 
 
-def all_reduce_once() -> None:
-    """On each rank: one all_reduce of a tensor on the rank's device, waited for."""
+def all_reduce_once(imports: list[str]) -> None:
+    """On each rank: the imports left to it, then one all_reduce of a tensor on the rank's
+    device, waited for."""
+    for name in imports:
+        importlib.import_module(name)
     import torch
     import torch.distributed as dist
 
@@ -285,30 +296,54 @@ def all_reduce_once() -> None:
 
 
 def candidate_modules(settings: Settings) -> tuple[list[str], str]:
-    """The heavy modules both kinds of gang import, and a note on megatron.core."""
-    if not settings.use_megatron:
-        return list(BASE_MODULES), f"{MEGATRON} left out by --no-megatron"
-    if not importable(MEGATRON):
-        return list(BASE_MODULES), f"{MEGATRON} not importable: measured without it"
-    return [*BASE_MODULES, MEGATRON], f"{MEGATRON} imported by cold ranks, preloaded by the zygote"
+    """The heavy modules both kinds of gang import, and a note on megatron.core (and TE)."""
+    modules, notes = list(BASE_MODULES), []
+    for name, wanted, why_not in [
+        (MEGATRON, settings.use_megatron, "left out by --no-megatron"),
+        (TRANSFORMER_ENGINE, settings.use_te, "left out: no --with-te"),
+    ]:
+        if not wanted:
+            notes.append(f"{name} {why_not}")
+        elif not importable(name):
+            notes.append(f"{name} not importable: measured without it")
+        else:
+            modules.append(name)
+            notes.append(f"{name} imported by cold ranks, preloaded by the zygote")
+    return modules, "; ".join(notes)
 
 
 def measure_gang_start(settings: Settings, workdir: str, log: IO[bytes]) -> dict[str, Any]:
     import torch.distributed  # noqa: F401 - the driver's own import is no part of a gang start
 
+    from xdist_megatron.protocol import CUDA_AT_IMPORT
+
     modules, note = candidate_modules(settings)
     progress(f"zygote: preloading {', '.join(modules)}")
     standby = max(settings.sizes, default=0)
-    zygote, zygote_s = start_zygote(modules, log, standby, settings.devices)
+    zygote, zygote_s = start_zygote(
+        modules, log, standby, settings.devices, careful=settings.use_te
+    )
     devices = device_set(settings.devices)
     try:
         failed = {m: why for m, why in zygote.preload_failures.items() if m in modules}
+        left_to_ranks = [m for m, why in failed.items() if why == CUDA_AT_IMPORT]
+        broken = {m: why for m, why in failed.items() if m not in left_to_ranks}
         if failed:
-            modules = [m for m in modules if m not in failed]
-            note = "; ".join(f"{m} left out, not importable: {why}" for m, why in failed.items())
+            modules = [m for m in modules if m not in broken]
+            note = "; ".join(
+                [f"{m} left out, not importable: {why}" for m, why in broken.items()]
+                + [f"{m} {CUDA_AT_IMPORT}: warm ranks import it" for m in left_to_ranks]
+            )
         warm = {
             size: repeat(
-                f"warm ws{size}", settings.repeats, time_warm_gang, zygote, size, devices, workdir
+                f"warm ws{size}",
+                settings.repeats,
+                time_warm_gang,
+                zygote,
+                size,
+                devices,
+                workdir,
+                left_to_ranks,
             )
             for size in settings.sizes
         }
