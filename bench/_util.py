@@ -277,14 +277,11 @@ def passed_times(path: str) -> list[tuple[str, float]]:
 # -- the package's non-public modules: every import of one is here, their paths follow its layout -
 
 
-def zygote_client(
-    preload: list[str], log: Any, standby: int, cuda: bool, careful: bool = False
-) -> Any:
-    """A zygote, started as a driver starts its own (gang_start.py times that start);
-    `careful` tries each preload in a fork first, as a replacement for a spoilt one does."""
+def zygote_client(preload: list[str], log: Any, standby: int, cuda: bool) -> Any:
+    """A zygote, started as a driver starts its own (gang_start.py times that start)."""
     from xdist_megatron.driver.zygote_client import ZygoteClient
 
-    return ZygoteClient(preload, log, standby=standby, cuda=cuda, careful=careful)
+    return ZygoteClient(preload, log, standby=standby, cuda=cuda)
 
 
 def device_set(devices: Devices) -> Any:

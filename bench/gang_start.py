@@ -97,8 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--with-te",
         action="store_true",
-        help=f"add {TRANSFORMER_ENGINE} to both gangs' imports where it is installed (the zygote "
-        "leaves it to the ranks if it initialises CUDA at import)",
+        help=f"add {TRANSFORMER_ENGINE} to both gangs' imports where it is installed",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
     add_devices_option(parser)
@@ -249,20 +248,20 @@ def log_tail(log: IO[bytes], lines: int = 20) -> str:
 
 
 def start_zygote(
-    modules: list[str], log: IO[bytes], standby: int, devices: Devices, careful: bool
+    modules: list[str], log: IO[bytes], standby: int, devices: Devices
 ) -> tuple[Any, float]:
     """A zygote that keeps `standby` ranks forked, as the plugin's does in a serial run; the time
-    until its imports are done. `careful`: it leaves to the ranks what initialises CUDA."""
+    until its imports are done."""
     start = time.perf_counter()
-    zygote = zygote_client(modules, log, standby=standby, cuda=not devices.is_cpu, careful=careful)
+    zygote = zygote_client(modules, log, standby=standby, cuda=not devices.is_cpu)
     zygote.preload_failures  # noqa: B018 - waits until the zygote is ready
     return zygote, time.perf_counter() - start
 
 
-def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str, imports: list[str]) -> float:
+def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str) -> float:
     """Seconds from asking for a gang to every rank having finished one all_reduce on its
     device (NCCL on GPUs): the fork from the zygote, the rendezvous, the rank's CUDA context and
-    the first communicator, and the `imports` the zygote left to the ranks."""
+    the first communicator."""
     # Imported here: spawned ranks run this file and must import only what they are timed on.
     from xdist_megatron import Gang
 
@@ -271,17 +270,14 @@ def time_warm_gang(zygote: Any, size: int, devices: Any, workdir: str, imports: 
     gang = Gang(world_size=size, devices=devices, zygote=zygote, workdir=workdir)
     try:
         gang.start()
-        gang.run(all_reduce_once, imports)
+        gang.run(all_reduce_once)
         return time.perf_counter() - start
     finally:
         gang.close()
 
 
-def all_reduce_once(imports: list[str]) -> None:
-    """On each rank: the imports left to it, then one all_reduce of a tensor on the rank's
-    device, waited for."""
-    for name in imports:
-        importlib.import_module(name)
+def all_reduce_once() -> None:
+    """On each rank: one all_reduce of a tensor on the rank's device, waited for."""
     import torch
     import torch.distributed as dist
 
@@ -315,35 +311,19 @@ def candidate_modules(settings: Settings) -> tuple[list[str], str]:
 def measure_gang_start(settings: Settings, workdir: str, log: IO[bytes]) -> dict[str, Any]:
     import torch.distributed  # noqa: F401 - the driver's own import is no part of a gang start
 
-    from xdist_megatron.protocol import CUDA_AT_IMPORT
-
     modules, note = candidate_modules(settings)
     progress(f"zygote: preloading {', '.join(modules)}")
     standby = max(settings.sizes, default=0)
-    zygote, zygote_s = start_zygote(
-        modules, log, standby, settings.devices, careful=settings.use_te
-    )
+    zygote, zygote_s = start_zygote(modules, log, standby, settings.devices)
     devices = device_set(settings.devices)
     try:
         failed = {m: why for m, why in zygote.preload_failures.items() if m in modules}
-        left_to_ranks = [m for m, why in failed.items() if why == CUDA_AT_IMPORT]
-        broken = {m: why for m, why in failed.items() if m not in left_to_ranks}
         if failed:
-            modules = [m for m in modules if m not in broken]
-            note = "; ".join(
-                [f"{m} left out, not importable: {why}" for m, why in broken.items()]
-                + [f"{m} {CUDA_AT_IMPORT}: warm ranks import it" for m in left_to_ranks]
-            )
+            modules = [m for m in modules if m not in failed]
+            note = "; ".join(f"{m} left out, not importable: {why}" for m, why in failed.items())
         warm = {
             size: repeat(
-                f"warm ws{size}",
-                settings.repeats,
-                time_warm_gang,
-                zygote,
-                size,
-                devices,
-                workdir,
-                left_to_ranks,
+                f"warm ws{size}", settings.repeats, time_warm_gang, zygote, size, devices, workdir
             )
             for size in settings.sizes
         }
