@@ -6,8 +6,12 @@
 #
 # MODES, comma-separated: `setup` and any of compare.py's modes (own, serial, xdist, xdist-kK);
 # e.g. `setup,own` in one call and `serial,xdist-k4` in the next (the machine stays warm for
-# 30 s after a call: make them back to back). Setup is done once per machine, before anything is
-# timed, and by any call that finds it not done:
+# 30 s after a call: make them back to back). MODES `prebuild` does steps 0, 1 and 3 only, which
+# need no Transformer Engine: started detached on a fresh machine
+#   setsid bash bench/modelopt/run.sh c0 prebuild >/tmp/prebuild.log 2>&1 </dev/null &
+# it builds the extensions while TE is installed (the build step holds a lock that a later setup
+# waits on). Setup is done once per machine, before anything is timed, and by any call that finds
+# it not done:
 #   0. bench/out/modelopt/site (modelopt's source) copied to /tmp/modelopt_src, where it stays;
 #   1. the wheels of bench/out/modelopt/wheels into /tmp/modelopt_site (not /tmp/site, where
 #      Transformer Engine is: both go on PYTHONPATH, /tmp/site first, so TE keeps its pydantic);
@@ -47,7 +51,7 @@ tree_sum() {  # a checksum of the files under $1 (not caches)
         xargs -0 md5sum | md5sum)
 }
 
-setup() {
+sources_and_wheels() {
     # modelopt's source out of the carried folder, once (again only if it changed): the quant
     # extensions' sources keep their path and mtimes, so ninja does not rebuild them in a mode
     local tree
@@ -61,6 +65,28 @@ setup() {
             --disable-pip-version-check --target "$SITE" "$SUITE"/wheels/*.whl || return 1
         touch "$SITE/.ready"
     fi
+}
+
+hold_lock() { ! command -v flock >/dev/null || flock 9; }  # on fd 9
+
+build_extensions() {  # under a lock: a detached prebuild may be building them right now
+    ( hold_lock && [[ -f $TORCH_EXTENSIONS_DIR/.built ]] ) 9>"$TORCH_EXTENSIONS_DIR/.lock" && return 0
+    (hold_lock && cd "$SUITE" && timeout $((DEADLINE - $(date +%s) - 60)) python3 - <<'EOF'
+"""modelopt's quant CUDA extensions, JIT-built once (what upstream's autouse fixture does)."""
+import time
+started = time.time()
+import modelopt.torch.quantization.extensions as ext
+print(f"imported modelopt.torch.quantization in {time.time() - started:.1f} s")
+for get in (ext.get_cuda_ext, ext.get_cuda_ext_fp8, ext.get_cuda_ext_mx):
+    start = time.time()
+    module = get()
+    print(f"{get.__name__}: {'built' if module is not None else 'FAILED'} in {time.time() - start:.1f} s")
+EOF
+    ) 9>"$TORCH_EXTENSIONS_DIR/.lock" && touch "$TORCH_EXTENSIONS_DIR/.built"
+}
+
+setup() {
+    sources_and_wheels || return 1
     python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --upgrade \
         --disable-pip-version-check --target "$XM" "$REPO" || return 1
     [[ -f $TE_SITE/.te-ready ]] || echo "WARNING: no $TE_SITE/.te-ready: without Transformer" \
@@ -88,24 +114,15 @@ print("torch", torch.__version__, "| GPUs", torch.cuda.device_count(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF
     ) || return 1
-    if [[ ! -f $TORCH_EXTENSIONS_DIR/.built ]]; then
-        (cd "$SUITE" && timeout $((DEADLINE - $(date +%s) - 60)) python3 - <<'EOF'
-"""modelopt's quant CUDA extensions, JIT-built once (what upstream's autouse fixture does)."""
-import time
-started = time.time()
-import modelopt.torch.quantization.extensions as ext
-print(f"imported modelopt.torch.quantization in {time.time() - started:.1f} s")
-for get in (ext.get_cuda_ext, ext.get_cuda_ext_fp8, ext.get_cuda_ext_mx):
-    start = time.time()
-    module = get()
-    print(f"{get.__name__}: {'built' if module is not None else 'FAILED'} in {time.time() - start:.1f} s")
-EOF
-        ) && touch "$TORCH_EXTENSIONS_DIR/.built" || return 1
-    fi
+    build_extensions || return 1
     python3 "$REPO/bench/modelopt/compare.py" --suite "$SUITE" --store "$STORE" --collect "$@" |
         sed -n '1,/tests collected/p'
 }
 
+if [[ $MODES == prebuild ]]; then
+    { time { sources_and_wheels && build_extensions; }; } 2>&1
+    exit
+fi
 echo "== setup ($(date +%T))" >"$SETUP_LOG"
 { time setup "$@"; } >>"$SETUP_LOG" 2>&1
 status=$?
