@@ -285,3 +285,36 @@ def test_real_suite_torchrun_ranks_can_spawn_children(plain_shell: Path) -> None
     assert [run["counts"] for run in runs] == [passed, passed]
     assert all(set(run["phases"]) == {"to first test", "tests", "after last test"} for run in runs)
     assert pstats.Stats(str(plain_shell / "collect.prof")).total_calls > 0  # the collect-only's
+
+
+MODELOPT_STYLE_TEST = """
+import os
+
+
+def test_finds_the_prebuilt_extensions():
+    # modelopt's session fixture JIT-builds its quant extensions into this folder
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.environ["PREBUILT_EXTENSIONS"]
+"""
+
+
+def test_modelopt_compare_runs_its_modes_on_the_suites_prebuilt_extensions(
+    plain_shell: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/modelopt/compare.py, upstream's pools and the plugin, on a stand-in suite: each
+    mode's tests see the extensions folder that run.sh built (not real_suite's empty one), and
+    each run says where its wall went. Both had broken unseen until a GPU sitting."""
+    suite = plain_shell / "modelopt"
+    (suite / "tests" / "gpu_megatron").mkdir(parents=True)
+    (suite / "tests" / "gpu_megatron" / "test_ext.py").write_text(MODELOPT_STYLE_TEST)
+    (suite / "stream_reports.py").write_text((BENCH / "stream_reports.py").read_text())
+    prebuilt = str(plain_shell / "extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", prebuilt)
+    monkeypatch.setenv("PREBUILT_EXTENSIONS", prebuilt)
+    store = plain_shell / "store"
+    argv = [sys.executable, str(BENCH / "modelopt" / "compare.py"), "--suite", str(suite),
+            "--store", str(store), "--modes", "own,serial", "--cap", "240"]  # fmt: skip
+    assert_ran_and_said(run(argv, plain_shell), ["own", "serial"])
+    for mode in ("own", "serial"):
+        record = json.loads((store / f"{mode}.run.json").read_text())
+        assert [test["outcome"] for test in record["tests"].values()] == ["passed"], record
+        assert set(record["phases"]) == {"to first test", "tests", "after last test"}, record
