@@ -366,6 +366,48 @@ def test_where_imported():
     result.assert_outcomes(passed=1)
 
 
+def test_helpers_below_a_conftest_folder_are_not_preloaded(pytester, run_pytest, monkeypatch):
+    """Model-Optimizer's layout: a root conftest, `tests/conftest.py`, test folders with their
+    own conftest, and helpers in `tests/_test_utils` imported through the ini's `pythonpath`
+    (here also on PYTHONPATH, so a zygote could import them). The helpers are test code: each
+    rank imports them, though no test module or conftest lies in their own folder (pytest keeps
+    one `conftest` in sys.modules at a time, so the folders of the others were missed, and the
+    zygote was told to preload the helpers). The root conftest does not make the project's own
+    library beside the tests test code."""
+    record = "import os\nIMPORTED_BY = os.getpid()\n"
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path / "tests"), prepend=os.pathsep)
+    pytester.makeini("[pytest]\npythonpath = tests\n")
+    pytester.makeconftest("")
+    pytester.mkpydir("mylib").joinpath("__init__.py").write_text(record)
+    tests = pytester.mkdir("tests")
+    (tests / "conftest.py").write_text("import _test_utils\n")
+    helpers = tests / "_test_utils"
+    helpers.mkdir()
+    (helpers / "__init__.py").write_text(record)
+    (helpers / "models.py").write_text(record)
+    unit = tests / "unit"
+    unit.mkdir()
+    (unit / "conftest.py").write_text("")
+    (unit / "test_where.py").write_text(
+        """
+import os
+import pytest
+import mylib
+from _test_utils import models
+
+@pytest.mark.world_size(1)
+def test_where_imported():
+    assert mylib.IMPORTED_BY == os.getppid()  # the zygote
+    assert models.IMPORTED_BY == os.getpid()  # this rank
+"""
+    )
+    result = run_pytest("--megatron-timeout", "60", "tests", cache=True)
+    result.assert_outcomes(passed=1)
+    assert pytester.path.joinpath(".pytest_cache/v/xdist_megatron/preload").read_text().split(
+        '"'
+    )[1::2] == ["mylib"]
+
+
 ZYGOTES_OF = """
 def zygotes_of(pid):
     found = []

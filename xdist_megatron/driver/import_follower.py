@@ -63,8 +63,8 @@ class ImportFollower:
         session_dir: str,
     ) -> None:
         """`start(modules)` spawns the zygote; `preloadable` says which modules a top-level
-        name stands for, once shown the test modules imported so far; `configured` preloads
-        start the zygote at once. `session_dir` holds its log; the session takes it over."""
+        name stands for; `configured` preloads start the zygote at once. `session_dir` holds
+        its log; the session takes it over."""
         self._start = start
         self._preloadable = preloadable
         self._wanted = list(configured)  # names to send with the next poll (under the lock)
@@ -116,7 +116,6 @@ class ImportFollower:
         found, self._wanted = self._wanted, []
         fresh = [name for name in list(sys.modules) if name not in self._seen]
         self._seen.update(fresh)
-        self._preloadable.note(sys.modules.get(name) for name in fresh)
         for name in fresh:
             top, _, rest = name.partition(".")
             if not rest or ("." not in rest and _is_namespace(sys.modules.get(top))):

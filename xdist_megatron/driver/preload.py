@@ -6,11 +6,15 @@ pytest cache so that the next zygote can start importing before collection inste
 Where ranks use GPUs, the modules an earlier session's zygote found to initialise CUDA at import
 (kept in the cache too) are left to the ranks: each would cost the session a replacement zygote.
 
-The project's own code counts as a library where it lies outside every test folder (a folder
-holding a conftest file or a test module, by `python_files`) and no package on its dotted path is
-named `test*`. Megatron-LM keeps `megatron/training` beside `tests/`, and its unit tests' conftest
-imports it (and transformers with it): ~2 s each rank paid before its first test, and again on
-every replacement gang, when only installed packages were preloaded.
+The project's own code counts as a library where no package on its dotted path is named `test*`
+and it lies in no test folder: a folder below the rootdir that holds a conftest file or a test
+module (by `python_files`), nor one under such a folder (`tests/_test_utils` beside
+`tests/conftest.py`, as in Model-Optimizer); the rootdir counts only for the modules directly in
+it, since a root conftest is common where the library lies beside the tests. The folders are read
+from the disk: pytest keeps one `conftest` module in sys.modules at a time, so the loaded modules
+named too few of them. Megatron-LM keeps `megatron/training` beside `tests/`, and its unit
+tests' conftest imports it (and transformers with it): ~2 s each rank paid before its first
+test, and again on every replacement gang, when only installed packages were preloaded.
 """
 
 from __future__ import annotations
@@ -34,24 +38,16 @@ NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megat
 
 
 class Preloadable:
-    """Sorts imported modules into library code (preloadable) and test code; learns the test
-    folders from the modules it is shown (`note`) before it is asked about them."""
+    """Sorts imported modules into library code (preloadable) and test code."""
 
     def __init__(
         self, rootdir: str, python_files: list[str], left_to_ranks: Iterable[str] = ()
     ) -> None:
         self.rootdir = os.path.realpath(rootdir)
         self.patterns = [*python_files, "conftest.py"]
-        self.test_dirs: set[str] = set()
+        self.holds_tests: dict[str, bool] = {}  # folder: whether it holds a test file
         self.left_to_ranks = set(left_to_ranks)  # they initialise CUDA at import
         self.withheld: set[str] = set()  # modules not preloaded for that
-
-    def note(self, modules: Iterable[Any]) -> None:
-        """Test modules and conftest files among `modules` make their folders test folders."""
-        for module in modules:
-            path = getattr(module, "__file__", None)
-            if path and any(fnmatch.fnmatch(os.path.basename(path), p) for p in self.patterns):
-                self.test_dirs.add(os.path.dirname(os.path.realpath(path)))
 
     def modules(self, module_name: str) -> set[str]:
         """The module if it is library code; for a namespace package (`import megatron.core`
@@ -98,12 +94,32 @@ class Preloadable:
         names = module.__name__.split(".")
         if any(name.startswith("test") or name == "conftest" for name in names):
             return False
-        return not any(_inside(path, folder) for folder in self.test_dirs)
+        return not self.in_test_folder(os.path.dirname(path))
+
+    def in_test_folder(self, folder: str) -> bool:
+        """Whether `folder` (inside the rootdir) or one above it below the rootdir holds a test
+        file; the rootdir itself only where `folder` is the rootdir."""
+        if folder == self.rootdir:
+            return self.holds_test_file(folder)
+        while folder != self.rootdir:
+            if self.holds_test_file(folder):
+                return True
+            folder = os.path.dirname(folder)
+        return False
+
+    def holds_test_file(self, folder: str) -> bool:
+        if folder not in self.holds_tests:
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                names = []
+            self.holds_tests[folder] = any(
+                fnmatch.fnmatch(name, pattern) for name in names for pattern in self.patterns
+            )
+        return self.holds_tests[folder]
 
     def imported_by(self, items: list[pytest.Item]) -> list[str]:
-        """Library modules the collected test modules imported (collection is over: every test
-        folder is known by now)."""
-        self.note(list(sys.modules.values()))
+        """Library modules the collected test modules imported."""
         found: set[str] = set()
         test_modules = {id(m): m for m in (getattr(i, "module", None) for i in items) if m}
         for module in test_modules.values():
