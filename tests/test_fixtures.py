@@ -3,6 +3,7 @@ explicit `gang` style (body and fixtures in the driver)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,34 @@ def test_gang_fixture(pytester, run_pytest):
             "the gang fixture needs @pytest.mark.world_size(N) on the test",
         ]
     )
+
+
+SLOW_START_SUITE = """
+import pytest
+import xdist_megatron
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(3)
+def test_runs_after_a_slow_start(gang):
+    assert [info.rank for info in gang.run(xdist_megatron.rank_info)] == [0, 1]
+"""
+
+
+def test_the_gang_starts_in_the_fixtures_setup(pytester, run_pytest, tmp_path_factory, monkeypatch):
+    """The `gang` fixture waits for the zygote's imports and starts the gang in its setup, as a
+    worker pool is spawned in the fixture that makes it: a start-up (here a preload that takes
+    6 s) does not count against a timeout of the call alone (pytest-timeout's
+    `timeout_func_only`, as Model-Optimizer sets it). It did while the first `gang.run` started
+    the gang: Model-Optimizer's first pool test failed on its 120 s timeout that way."""
+    libraries = tmp_path_factory.mktemp("libraries")
+    (libraries / "slow_lib.py").write_text("import time\ntime.sleep(6)\n")
+    monkeypatch.setenv("PYTHONPATH", str(libraries), prepend=os.pathsep)
+    pytester.makeini("[pytest]\nmegatron_preload = slow_lib\ntimeout_func_only = true\n")
+    pytester.makepyfile(test_slow_start=SLOW_START_SUITE)
+    result = run_pytest("-p", "timeout", "--durations", "0", "-vv")
+    result.assert_outcomes(passed=1)
+    result.stdout.re_match_lines([r"^\s*[4-9]\.\d+s setup\s+test_slow_start.py::"])
 
 
 POOL_ADAPTER = Path(__file__).parents[1] / "examples" / "pool_adapter"

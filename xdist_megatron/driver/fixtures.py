@@ -68,6 +68,13 @@ class GangHandle:
         self._runtime: Runtime = item.config.stash[RUNTIME]
         self._gang: Gang | None = None
 
+    def prepare(self) -> None:
+        """Start the gang (and wait for the zygote's imports) in the fixture's setup, as a worker
+        pool is spawned in the fixture that makes it: a start-up that runs in the test's call
+        counts against a timeout of the call alone (pytest-timeout's `timeout_func_only`)."""
+        if self._runtime.inprocess is None:
+            self._runtime.pool.prepare(self.world_size)
+
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`fn(*args, **kwargs)` on every rank; the per-rank return values in rank order."""
         if self._runtime.inprocess is not None:
@@ -101,5 +108,6 @@ def gang(request: pytest.FixtureRequest) -> Generator[GangHandle, None, None]:
     if world_size is None:
         pytest.fail("the gang fixture needs @pytest.mark.world_size(N) on the test", pytrace=False)
     handle = GangHandle(request.node, world_size)
+    handle.prepare()
     yield handle
     handle.finish()

@@ -110,8 +110,7 @@ class GangPool:
         self, world_size: int, module: str, job: Job, timeout: float, exclusive: bool = False
     ) -> list[RankResult]:
         """Run `job` on the gang of `world_size` ranks, holding its devices."""
-        self._live_zygote()  # wait for its imports before taking the devices from others
-        self._ensure_started(world_size)  # forking and joining create contexts only: no lock
+        self.prepare(world_size)
         nodeid = getattr(job, "nodeid", None)
         with self.devices_held(world_size, exclusive):
             held_from = time.time()
@@ -123,6 +122,12 @@ class GangPool:
         if not gang.alive:
             self._log_retired(world_size, _retire_cause(results))
         return results
+
+    def prepare(self, world_size: int) -> None:
+        """Wait for the zygote's imports, then start the gang of `world_size` if it has none, all
+        before taking the devices from others (forking and joining create contexts only)."""
+        self._live_zygote()
+        self._ensure_started(world_size)
 
     def _ensure_started(self, world_size: int) -> None:
         gang = self._gangs.get(world_size)
