@@ -403,9 +403,8 @@ def test_where_imported():
     )
     result = run_pytest("--megatron-timeout", "60", "tests", cache=True)
     result.assert_outcomes(passed=1)
-    assert pytester.path.joinpath(".pytest_cache/v/xdist_megatron/preload").read_text().split(
-        '"'
-    )[1::2] == ["mylib"]
+    preloads = pytester.path / ".pytest_cache" / "v" / "xdist_megatron" / "preload"
+    assert json.loads(preloads.read_text()) == ["mylib"]
 
 
 ZYGOTES_OF = """
