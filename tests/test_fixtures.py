@@ -4,6 +4,7 @@ explicit `gang` style (body and fixtures in the driver)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -266,7 +267,39 @@ def test_the_gang_starts_in_the_fixtures_setup(pytester, run_pytest, tmp_path_fa
     pytester.makepyfile(test_slow_start=SLOW_START_SUITE)
     result = run_pytest("-p", "timeout", "--durations", "0", "-vv")
     result.assert_outcomes(passed=1)
-    result.stdout.re_match_lines([r"^\s*[4-9]\.\d+s setup\s+test_slow_start.py::"])
+    seconds = {
+        phase: float(value)
+        for value, phase in re.findall(r"([\d.]+)s (setup|call) +test_slow", result.stdout.str())
+    }
+    assert seconds["setup"] > 4, seconds
+
+
+def test_a_gang_that_cannot_start_fails_the_fixtures_setup(pytester, run_pytest):
+    """No gang (NCCL asked of a torch without it): the `gang` test errors in its setup, saying
+    why without the plugin's frames, as a rank-style test fails in its call."""
+    import torch.distributed
+
+    if torch.distributed.is_nccl_available():
+        pytest.skip("this torch has NCCL: the gang would start")
+    pytester.makepyfile(
+        test_no_gang="""
+import pytest
+import xdist_megatron
+
+@pytest.mark.world_size(2)
+def test_explicit(gang):
+    gang.run(xdist_megatron.rank_info)
+
+@pytest.mark.world_size(2)
+def test_native(rank):
+    pass
+"""
+    )
+    result = run_pytest("--megatron-backend", "nccl", "--megatron-timeout", "60")
+    result.assert_outcomes(errors=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at setup of test_explicit*", "gang of 2 failed to start: rank * exited with *"]
+    )
 
 
 POOL_ADAPTER = Path(__file__).parents[1] / "examples" / "pool_adapter"

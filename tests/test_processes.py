@@ -407,6 +407,26 @@ def test_where_imported():
     assert json.loads(preloads.read_text()) == ["mylib"]
 
 
+def test_a_flat_suites_helper_packages_are_not_preloaded(pytester, run_pytest):
+    """Test modules in the rootdir itself make every folder under it test code: a helper
+    package beside them stays for each rank to import."""
+    pytester.mkpydir("helpers").joinpath("__init__.py").write_text(
+        "import os\nIMPORTED_BY = os.getpid()\n"
+    )
+    pytester.makepyfile(
+        test_flat="""
+import os
+import helpers
+import pytest
+
+@pytest.mark.world_size(1)
+def test_where_imported():
+    assert helpers.IMPORTED_BY == os.getpid()  # this rank
+"""
+    )
+    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=1)
+
+
 ZYGOTES_OF = """
 def zygotes_of(pid):
     found = []

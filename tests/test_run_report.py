@@ -24,6 +24,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 SUITE = """
 import os
 import pytest
+import xdist_megatron
 
 def test_unmarked():
     pass
@@ -44,6 +45,18 @@ def test_after_the_death(rank):
 @pytest.mark.world_size(4)
 def test_four(rank):
     assert rank < 3
+
+def exit_on_rank_one():
+    if xdist_megatron.rank_info().rank == 1:
+        os._exit(3)
+
+@pytest.mark.world_size(3)
+def test_gang_rank_dies(gang):
+    gang.run(exit_on_rank_one)
+
+@pytest.mark.world_size(3)
+def test_gang_after_the_death(gang):
+    gang.run(xdist_megatron.rank_info)
 """
 
 
@@ -91,12 +104,14 @@ def test_a_run_writes_the_timeline_the_chart_and_junit_properties(run_pytest, py
     result = run_pytest(
         *CPU8, "--megatron-report", "out/run.json", "--junitxml", "out/junit.xml"
     )  # fmt: skip
-    result.assert_outcomes(passed=3, failed=2)
+    result.assert_outcomes(passed=4, failed=3)
     result.stdout.fnmatch_lines(
         [
             "*= xdist-megatron run report =*",
             "gangs of 2: 2 started (1 first use, 1 replaced a retired one); "
             "1 retired (1 a rank died)",
+            "gangs of 3: 2 started (1 first use, 1 replaced a retired one); "
+            "1 retired (1 a failure in a test)",
             "gangs of 4: 1 started (1 first use)",
             "device utilisation: *% of 8 devices x * s (test phase)",
             "timeline: *run.json, chart: *run.svg",
@@ -104,7 +119,7 @@ def test_a_run_writes_the_timeline_the_chart_and_junit_properties(run_pytest, py
     )
     timeline = json.loads((pytester.path / "out/run.json").read_text())
     tests = {t["nodeid"].split("::")[1]: t for t in timeline["tests"]}
-    assert len(tests) == 5 and timeline["devices"] == list(range(8))
+    assert len(tests) == 7 and timeline["devices"] == list(range(8))
     assert (
         tests["test_four"]["devices"] == [0, 1, 2, 3] and tests["test_four"]["outcome"] == "failed"
     )

@@ -5,6 +5,7 @@ rank of the test's gang from a test body that stays in the driver."""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from ..protocol import FAILED, WORLD_SIZE, CleanupJob, RankInfo, module_of
 from .gang import Gang, GangError
 from .runtime import RUNTIME, Runtime
 from .timeouts import default_timeout, timeout_of
+from .zygote_client import ZygoteError
 
 
 def _rank_info(request: pytest.FixtureRequest) -> RankInfo | None:
@@ -68,22 +70,12 @@ class GangHandle:
         self._runtime: Runtime = item.config.stash[RUNTIME]
         self._gang: Gang | None = None
 
-    def prepare(self) -> None:
-        """Start the gang (and wait for the zygote's imports) in the fixture's setup, as a worker
-        pool is spawned in the fixture that makes it: a start-up that runs in the test's call
-        counts against a timeout of the call alone (pytest-timeout's `timeout_func_only`)."""
-        if self._runtime.inprocess is None:
-            self._runtime.pool.prepare(self.world_size)
-
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`fn(*args, **kwargs)` on every rank; the per-rank return values in rank order."""
         if self._runtime.inprocess is not None:
             return self._runtime.inprocess.run(fn, *args, **kwargs)
-        timeout = timeout_of(self._item)
-        module = module_of(self._item.nodeid)
-        pool = self._runtime.pool
-        with pool.devices_held(self.world_size, markers.is_exclusive(self._item)):
-            self._gang = pool.acquire(self.world_size, module, timeout)
+        with self._devices_held():
+            self._gang = self._acquire()
             return self._gang.run(fn, *args, **kwargs)
 
     def finish(self) -> None:
@@ -91,7 +83,7 @@ class GangHandle:
         gang, self._gang = self._gang, None
         if gang is None or not gang.alive:
             return
-        with self._runtime.pool.devices_held(self.world_size, markers.is_exclusive(self._item)):
+        with self._devices_held():
             results = gang.execute(CleanupJob(), default_timeout(self._runtime.config))
         failed = [r for r in results if r.outcome == FAILED]
         if failed:
@@ -99,6 +91,28 @@ class GangHandle:
                 f"cleanup after the test failed on rank {failed[0].rank}: "
                 f"{failed[0].message}\n{failed[0].longrepr}"
             )
+
+    def _prepare(self) -> None:
+        """In the fixture's setup, as a worker pool is spawned in the fixture that makes it: the
+        zygote's imports, the gang's start and a module boundary's reset, which in the call
+        counted against a timeout of the call alone (pytest-timeout's `timeout_func_only`). A
+        gang that cannot start fails the setup with why, without the plugin's frames."""
+        if self._runtime.inprocess is not None:
+            return
+        try:
+            self._runtime.pool.prepare(self.world_size)
+            with self._devices_held():
+                self._gang = self._acquire()
+        except (GangError, ZygoteError) as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+    def _acquire(self) -> Gang:
+        """The gang of the test's size, reset if the test's module is new to it."""
+        module = module_of(self._item.nodeid)
+        return self._runtime.pool.acquire(self.world_size, module, timeout_of(self._item))
+
+    def _devices_held(self) -> AbstractContextManager[None]:
+        return self._runtime.pool.devices_held(self.world_size, markers.is_exclusive(self._item))
 
 
 @pytest.fixture
@@ -108,6 +122,6 @@ def gang(request: pytest.FixtureRequest) -> Generator[GangHandle, None, None]:
     if world_size is None:
         pytest.fail("the gang fixture needs @pytest.mark.world_size(N) on the test", pytrace=False)
     handle = GangHandle(request.node, world_size)
-    handle.prepare()
+    handle._prepare()
     yield handle
     handle.finish()

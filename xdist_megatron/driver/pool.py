@@ -131,6 +131,8 @@ class GangPool:
 
     def _ensure_started(self, world_size: int) -> None:
         gang = self._gangs.get(world_size)
+        if gang is not None and not gang.alive:
+            self._log_retired(world_size, "a failure in a test")  # one the `gang` fixture ran
         if gang is None or not gang.alive:
             self._start(world_size)
 

@@ -9,12 +9,13 @@ Where ranks use GPUs, the modules an earlier session's zygote found to initialis
 The project's own code counts as a library where no package on its dotted path is named `test*`
 and it lies in no test folder: a folder below the rootdir that holds a conftest file or a test
 module (by `python_files`), nor one under such a folder (`tests/_test_utils` beside
-`tests/conftest.py`, as in Model-Optimizer); the rootdir counts only for the modules directly in
-it, since a root conftest is common where the library lies beside the tests. The folders are read
-from the disk: pytest keeps one `conftest` module in sys.modules at a time, so the loaded modules
-named too few of them. Megatron-LM keeps `megatron/training` beside `tests/`, and its unit
-tests' conftest imports it (and transformers with it): ~2 s each rank paid before its first
-test, and again on every replacement gang, when only installed packages were preloaded.
+`tests/conftest.py`, as in Model-Optimizer). The rootdir is a test folder where it holds a test
+module; where it holds only a conftest file (common where the library lies beside the tests),
+only for the modules directly in it. The folders are read from the disk: pytest keeps one
+`conftest` module in sys.modules at a time, so the loaded modules named too few of them.
+Megatron-LM keeps `megatron/training` beside `tests/`, and its unit tests' conftest imports it
+(and transformers with it): ~2 s each rank paid before its first test, and again on every
+replacement gang, when only installed packages were preloaded.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class Preloadable:
         self, rootdir: str, python_files: list[str], left_to_ranks: Iterable[str] = ()
     ) -> None:
         self.rootdir = os.path.realpath(rootdir)
-        self.patterns = [*python_files, "conftest.py"]
-        self.holds_tests: dict[str, bool] = {}  # folder: whether it holds a test file
+        self.patterns = python_files  # of test modules
+        self.test_files_in: dict[str, tuple[bool, bool]] = {}  # see _test_files
         self.left_to_ranks = set(left_to_ranks)  # they initialise CUDA at import
         self.withheld: set[str] = set()  # modules not preloaded for that
 
@@ -94,29 +95,36 @@ class Preloadable:
         names = module.__name__.split(".")
         if any(name.startswith("test") or name == "conftest" for name in names):
             return False
-        return not self.in_test_folder(os.path.dirname(path))
+        return not self._in_test_folder(os.path.dirname(path))
 
-    def in_test_folder(self, folder: str) -> bool:
-        """Whether `folder` (inside the rootdir) or one above it below the rootdir holds a test
-        file; the rootdir itself only where `folder` is the rootdir."""
+    def _in_test_folder(self, folder: str) -> bool:
+        """Whether `folder` (inside the rootdir) lies in a test folder: itself or one above it
+        below the rootdir holds a conftest file or a test module; the rootdir counts where it
+        holds a test module, or a conftest file for the modules directly in it."""
         if folder == self.rootdir:
-            return self.holds_test_file(folder)
+            return any(self._test_files(folder))
         while folder != self.rootdir:
-            if self.holds_test_file(folder):
+            if any(self._test_files(folder)):
                 return True
-            folder = os.path.dirname(folder)
-        return False
+            parent = os.path.dirname(folder)
+            if parent == folder:  # not inside the rootdir after all
+                return False
+            folder = parent
+        _, test_modules = self._test_files(folder)
+        return test_modules
 
-    def holds_test_file(self, folder: str) -> bool:
-        if folder not in self.holds_tests:
+    def _test_files(self, folder: str) -> tuple[bool, bool]:
+        """Whether `folder` holds a conftest file, and whether it holds a test module."""
+        if folder not in self.test_files_in:
             try:
                 names = os.listdir(folder)
             except OSError:
                 names = []
-            self.holds_tests[folder] = any(
-                fnmatch.fnmatch(name, pattern) for name in names for pattern in self.patterns
+            self.test_files_in[folder] = (
+                "conftest.py" in names,
+                any(fnmatch.fnmatch(name, pattern) for name in names for pattern in self.patterns),
             )
-        return self.holds_tests[folder]
+        return self.test_files_in[folder]
 
     def imported_by(self, items: list[pytest.Item]) -> list[str]:
         """Library modules the collected test modules imported."""
@@ -137,7 +145,7 @@ PRELOADABLE = pytest.StashKey[Preloadable]()
 
 
 def preloadable_of(config: pytest.Config) -> Preloadable:
-    """The session's one judge of what the zygote may import (it learns the test folders)."""
+    """The session's one judge of what the zygote may import."""
     if PRELOADABLE not in config.stash:
         rootdir = str(config.rootpath)
         config.stash[PRELOADABLE] = Preloadable(
