@@ -10,7 +10,9 @@ by `--dist megatron`.
 
 What changes for a test: taking a pool fixture marks it with the pool's world size, so the plugin
 gives it a gang; the fixture is a `GangPool` with the pool's `run` on that gang, and the body
-stays in the driver, as it did beside the pool.
+stays in the driver, as it did beside the pool. As the pool was spawned in its fixture, the gang
+starts in the `gang` fixture's setup, off the clock of a timeout on the call alone
+(`timeout_func_only`, which Model-Optimizer sets).
 """
 
 from __future__ import annotations
