@@ -237,6 +237,28 @@ def test_the_next_test_reuses_the_compiled_code(device):
     assert len(compiles) == 1
 """
 
+USERBUFFERS_LEFT = """
+import pytest
+import torch
+import transformer_engine_torch as tex
+from transformer_engine.pytorch.module import base
+
+
+@pytest.mark.world_size(1)
+def test_sets_userbuffers_up(device, monkeypatch):
+    # One GPU: a tensor-parallel domain of one rank. Without multicast, TE asks for CUDA IPC.
+    if not tex.device_supports_multicast():
+        monkeypatch.setenv("UB_SKIPMC", "1")
+    base.initialize_ub([128, 256], tp_size=1, dtype=torch.bfloat16)
+    assert base.is_ub_initialized()
+
+
+@pytest.mark.world_size(1)
+def test_the_next_test_starts_without_userbuffers(device):
+    # initialize_ub raises if its communicators are still there
+    assert not base.is_ub_initialized() and base._ub_communicators is None
+"""
+
 # Each pair, and the statement a conftest runs in the ranks to remove its reset (to undo the
 # fix, for the last): the pair must then fail.
 PAIRS = {
@@ -251,6 +273,7 @@ PAIRS = {
         COMPILED_CODE_KEPT,
         "isolation._userbuffers_initialised = lambda base: True",
     ),
+    "userbuffers": (USERBUFFERS_LEFT, "isolation._userbuffers_initialised = lambda base: False"),
 }
 
 WITHOUT = """
