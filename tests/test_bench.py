@@ -307,6 +307,7 @@ def test_modelopt_compare_runs_its_modes_on_the_suites_prebuilt_extensions(
     (suite / "tests" / "gpu_megatron").mkdir(parents=True)
     (suite / "tests" / "gpu_megatron" / "test_ext.py").write_text(MODELOPT_STYLE_TEST)
     (suite / "stream_reports.py").write_text((BENCH / "stream_reports.py").read_text())
+    (suite / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-v"\n')  # theirs
     prebuilt = str(plain_shell / "extensions")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", prebuilt)
     monkeypatch.setenv("PREBUILT_EXTENSIONS", prebuilt)
@@ -317,4 +318,5 @@ def test_modelopt_compare_runs_its_modes_on_the_suites_prebuilt_extensions(
     for mode in ("own", "serial"):
         record = json.loads((store / f"{mode}.run.json").read_text())
         assert [test["outcome"] for test in record["tests"].values()] == ["passed"], record
+        assert record["expected"] == list(record["tests"]), record  # what collection found
         assert set(record["phases"]) == {"to first test", "tests", "after last test"}, record
