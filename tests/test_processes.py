@@ -18,6 +18,7 @@ import pytest
 from conftest import assert_gone, assert_no_processes_left
 
 from xdist_megatron.driver.zygote_client import ZygoteClient
+from xdist_megatron.protocol import CUDA_AT_IMPORT
 
 FACTS_MODULE = """
 import json, os, sys
@@ -622,6 +623,47 @@ def test_a_careful_zygote_tries_its_preloads_in_forks_it_reaps(tag, tmp_path, mo
         trial, real = importers.read_text().split()
         assert int(real) == client.pid and int(trial) != client.pid
         assert not os.path.exists(f"/proc/{trial}")  # reaped by the zygote, not a zombie
+    finally:
+        client.close()
+    assert_no_processes_left(tag)
+
+
+SPOILS_CUDA = """
+import os
+import torch
+
+with open(os.environ["SPOILER_IMPORTERS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+torch.cuda._initialized = True  # what an import that initialised CUDA leaves in torch
+"""
+
+
+def test_a_careful_zygote_tries_a_package_once_for_all_its_modules(
+    tag, tmp_path, monkeypatch
+) -> None:
+    """Packages are tried before the modules under them: one whose import initialises CUDA
+    (`modelopt`, above 20 of Model-Optimizer's preloads) is tried once and leaves its modules to
+    the ranks untried; one that does not is imported in the zygote before its modules are tried,
+    so no trial imports it again, and they are preloaded. (On CPU the package sets torch's
+    CUDA-initialised flag, as an import that initialised CUDA leaves it.)"""
+    for package, init in (("spoiler", SPOILS_CUDA), ("fine", RECORDS_ITS_IMPORTER)):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(init)
+        for module in ("a", "b", "c"):
+            (tmp_path / package / f"{module}.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path), prepend=os.pathsep)
+    monkeypatch.setenv("IMPORTERS", str(tmp_path / "fine-importers"))
+    monkeypatch.setenv("SPOILER_IMPORTERS", str(tmp_path / "spoiler-importers"))
+    preloads = [f"{package}.{module}" for package in ("spoiler", "fine") for module in "abc"]
+    client = ZygoteClient(preloads, None, cuda=True, careful=True)
+    try:
+        failures = client.preload_failures
+        assert not client.breaks_cuda
+        spoilt = ["spoiler", "spoiler.a", "spoiler.b", "spoiler.c"]
+        assert failures == dict.fromkeys(spoilt, CUDA_AT_IMPORT)
+        assert len((tmp_path / "spoiler-importers").read_text().split()) == 1  # one trial
+        trial, real = (tmp_path / "fine-importers").read_text().split()
+        assert int(real) == client.pid and int(trial) != client.pid
     finally:
         client.close()
     assert_no_processes_left(tag)
