@@ -142,14 +142,15 @@ def preload(
 
 
 def _preload_carefully(modules: list[str]) -> tuple[dict[str, str], list[str]]:
-    """For a zygote that replaces one a preload spoilt: past the base preloads, each module is
-    first imported in a throwaway fork, and those that initialise CUDA there are left to the
-    ranks, so that one replacement serves however many such modules a suite has. The trials go
-    level by level, the packages above the modules first: a package that initialises CUDA
-    leaves every module under it to the ranks untried (20 of Model-Optimizer's 29 preloads import
-    `modelopt`, which does: 20 trials, each importing TE, megatron.core and modelopt), and one
-    that does not is imported here before the next level's trials, which then pay only their
-    own imports. A package found is reported too: the driver remembers it for its modules."""
+    """For a zygote that replaces one a preload spoilt: past the base preloads, every module
+    and the packages above it are first imported in throwaway forks, those that initialise
+    CUDA there are left to the ranks, and the rest imported here, so that one replacement
+    serves however many such modules a suite has. Level by level, packages first: a package
+    that initialises CUDA leaves every module under it to the ranks untried (most of
+    Model-Optimizer's preloads import `modelopt`, which does: one trial each, every one
+    importing TE, megatron.core and modelopt), and one that does not is imported here before
+    the next level's trials, which then pay only their own imports. A package found is
+    reported too, so that the driver remembers it for its modules."""
     failures, breaks_cuda = preload([m for m in modules if m in BASE_PRELOAD], cuda=True)
     pending = [m for m in modules if m not in BASE_PRELOAD]
     depth = 1
@@ -158,8 +159,11 @@ def _preload_carefully(modules: list[str]) -> tuple[dict[str, str], list[str]]:
         spoilers = _cuda_initialisers_by_trial(level)
         condemned = [m for m in pending if any(_is_under(m, found) for found in spoilers)]
         failures.update(dict.fromkeys([*sorted(spoilers), *condemned], CUDA_AT_IMPORT))
-        imported, breaks_cuda = preload([m for m in level if m not in spoilers], cuda=True)
-        failures.update({m: why for m, why in imported.items() if m in modules})
+        safe = [m for m in level if m not in spoilers and m not in sys.modules]
+        imported, breaks_cuda = preload(safe, cuda=True)
+        failures.update(
+            {m: why for m, why in imported.items() if m in modules or why == CUDA_AT_IMPORT}
+        )
         if breaks_cuda:  # spared CUDA in its trial, not here: name the preloads it spoils
             breaks_cuda = [m for m in modules if _is_under(m, breaks_cuda[0])]
         pending = [m for m in pending if m.count(".") >= depth and m not in condemned]
