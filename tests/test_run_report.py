@@ -140,10 +140,10 @@ def test_the_controller_reports_every_workers_tests(run_pytest, pytester):
     pytester.makepyfile(test_suite=SUITE)
     args = ("-n", "2", "--dist", "megatron", *CPU8, "--junitxml", "junit.xml")
     result = run_pytest(*args, "--megatron-report", "run.json")
-    result.assert_outcomes(passed=3, failed=2)
+    result.assert_outcomes(passed=4, failed=3)
     result.stdout.fnmatch_lines(["*= xdist-megatron run report =*", "gangs of 4: 1 started*"])
     tests = json.loads((pytester.path / "run.json").read_text())["tests"]
-    assert len(tests) == 5 and {t["worker"] for t in tests} <= {"gw0", "gw1"}
+    assert len(tests) == 7 and {t["worker"] for t in tests} <= {"gw0", "gw1"}
     assert all(t["gang"].startswith(t["worker"]) for t in tests if t["world_size"])
     workers = [p.get("value") for p in ET.parse("junit.xml").getroot().iter("property")]
     assert {"gw0", "gw1"} & set(workers)
