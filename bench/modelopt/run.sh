@@ -70,8 +70,10 @@ sources_and_wheels() {
 hold_lock() { ! command -v flock >/dev/null || flock 9; }  # on fd 9
 
 build_extensions() {  # under a lock: a detached prebuild may be building them right now
-    ( hold_lock && [[ -f $TORCH_EXTENSIONS_DIR/.built ]] ) 9>"$TORCH_EXTENSIONS_DIR/.lock" && return 0
-    (hold_lock && cd "$SUITE" && timeout $((DEADLINE - $(date +%s) - 60)) python3 - <<'EOF'
+    (
+        hold_lock || exit 1
+        [[ -f $TORCH_EXTENSIONS_DIR/.built ]] && exit 0
+        cd "$SUITE" && timeout $((DEADLINE - $(date +%s) - 60)) python3 - <<'EOF' &&
 """modelopt's quant CUDA extensions, JIT-built once (what upstream's autouse fixture does)."""
 import time
 started = time.time()
@@ -82,7 +84,8 @@ for get in (ext.get_cuda_ext, ext.get_cuda_ext_fp8, ext.get_cuda_ext_mx):
     module = get()
     print(f"{get.__name__}: {'built' if module is not None else 'FAILED'} in {time.time() - start:.1f} s")
 EOF
-    ) 9>"$TORCH_EXTENSIONS_DIR/.lock" && touch "$TORCH_EXTENSIONS_DIR/.built"
+            touch "$TORCH_EXTENSIONS_DIR/.built"
+    ) 9>"$TORCH_EXTENSIONS_DIR/.lock"
 }
 
 setup() {
