@@ -165,11 +165,40 @@ def test_run_returns_rank_order(gang, session_value):
 def test_run_on_three(gang):
     assert [info.rank for info in gang.run(xdist_megatron.rank_info)] == [0, 1, 2]
 
+def fail_on_rank_one_while_rank_zero_waits():
+    if xdist_megatron.rank_info().rank == 1:
+        raise ValueError("rank one leaves rank zero waiting")
+    torch.distributed.barrier()
+
+def destroy_the_default_group():
+    torch.distributed.destroy_process_group()
+
+def size_after_a_barrier():
+    torch.distributed.barrier()
+    return torch.distributed.get_world_size()
+
+RANK_PIDS = []
+
 def test_failing_function(gang):
+    RANK_PIDS[:] = gang.run(os.getpid)
     gang.run(fail_on_rank_one)
 
 def test_gang_again_after_failure(gang):
+    # Every rank finished: an ordinary failure keeps the gang, as under torchrun.
     assert [info.rank for info in gang.run(xdist_megatron.rank_info)] == [0, 1]
+    assert gang.run(os.getpid) == RANK_PIDS
+
+def test_failure_that_strands_a_peer(gang):
+    gang.run(fail_on_rank_one_while_rank_zero_waits)
+
+def test_a_fresh_gang_after_the_stranded_peer(gang):
+    assert not set(gang.run(os.getpid)) & set(RANK_PIDS)
+
+def test_destroys_the_default_group(gang):
+    gang.run(destroy_the_default_group)
+
+def test_the_default_group_is_back(gang):
+    assert gang.run(size_after_a_barrier) == [2, 2]
 """
 
 
@@ -226,17 +255,20 @@ def test_fixtures_and_xunit_methods_on_ranks(pytester, run_pytest):
 
 
 def test_gang_fixture(pytester, run_pytest):
-    """gang.run calls a function on every rank from a driver-side body; failures name the rank."""
+    """gang.run calls a function on every rank from a driver-side body; failures name the rank.
+    A function that raises where every rank finished keeps the gang; one that leaves a peer
+    waiting retires it; a default group it destroyed is back for the next test."""
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(
         test_gang=GANG_SUITE,
         test_unmarked="def test_gang_without_marker(gang):\n    pass\n",
     )
     result = run_pytest("--megatron-timeout", "20")
-    result.assert_outcomes(passed=3, failed=1, errors=1)
+    result.assert_outcomes(passed=6, failed=2, errors=1)
     result.stdout.fnmatch_lines_random(
         [
             "E *GangError: fail_on_rank_one failed on rank(s) 1: ValueError: rank one refuses",
+            "*rank 0 was still in barrier 2 s after rank 1 failed*",
             "the gang fixture needs @pytest.mark.world_size(N) on the test",
         ]
     )
@@ -257,11 +289,11 @@ def test_runs_after_a_slow_start(gang):
 def test_the_gang_starts_in_the_fixtures_setup(pytester, run_pytest, tmp_path_factory, monkeypatch):
     """The `gang` fixture waits for the zygote's imports and starts the gang in its setup, as a
     worker pool is spawned in the fixture that makes it: a start-up (here a preload that takes
-    6 s) does not count against a timeout of the call alone (pytest-timeout's
+    10 s) does not count against a timeout of the call alone (pytest-timeout's
     `timeout_func_only`, as Model-Optimizer sets it). It did while the first `gang.run` started
     the gang: Model-Optimizer's first pool test failed on its 120 s timeout that way."""
     libraries = tmp_path_factory.mktemp("libraries")
-    (libraries / "slow_lib.py").write_text("import time\ntime.sleep(6)\n")
+    (libraries / "slow_lib.py").write_text("import time\ntime.sleep(10)\n")
     monkeypatch.setenv("PYTHONPATH", str(libraries), prepend=os.pathsep)
     pytester.makeini("[pytest]\nmegatron_preload = slow_lib\ntimeout_func_only = true\n")
     pytester.makepyfile(test_slow_start=SLOW_START_SUITE)

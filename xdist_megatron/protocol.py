@@ -165,6 +165,7 @@ class ShutdownJob:
 Job = TestJob | CallJob | CleanupJob | ResetJob | ShutdownJob
 
 PASSED, FAILED = "passed", "failed"
+RAISED = "raised"  # a `gang.run` function raised: an ordinary failure, the rank stays fit
 DIED, STUCK, WAITED = "died", "stuck", "waited"
 
 
@@ -173,7 +174,7 @@ class RankResult:
     """What one rank reports for one job."""
 
     rank: int
-    outcome: str  # PASSED, or FAILED: the job failed, or the rank is not fit for the next one
+    outcome: str  # PASSED, RAISED, or FAILED: the job failed, or the rank is not fit for the next
     message: str = ""  # one line: the exception
     longrepr: Any = None  # pytest's failure representation (or text) for failures
     crash: tuple[str, int] | None = None  # (path, lineno) of the failure

@@ -2,7 +2,8 @@
 
 A gang is N rank processes forked from the zygote, joined in a process group through a TCPStore
 that the driver owns (port 0, so ports never race). Each rank talks to the driver over its own
-socket pair. A job that fails on any rank, times out or loses a rank retires the gang.
+socket pair. A job that fails on any rank, times out or loses a rank retires the gang; a `run`
+function that raises where every rank finished does not (an ordinary failure, as under torchrun).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..protocol import (
     DEVICES_VAR,
     DIED,
     FAILED,
+    PASSED,
     STUCK,
     WAITED,
     AtFinishLine,
@@ -272,7 +274,7 @@ class Gang:
             ) from exc
         main_path = getattr(sys.modules["__main__"], "__file__", None)
         results = self.execute(CallJob(payload, list(sys.path), main_path), self.timeout)
-        failed = [r for r in results if r.outcome == FAILED]
+        failed = [r for r in results if r.outcome != PASSED]
         if failed:
             details = "\n".join(f"--- rank {r.rank} ---\n{r.longrepr or r.message}" for r in failed)
             raise GangError(
@@ -287,7 +289,8 @@ class Gang:
 
         Never hangs: a rank that dies is reported with its exit code, ranks still busy at the
         timeout (or shortly after another rank failed) are reported with their Python stacks.
-        Any failure retires the gang.
+        Any failure retires the gang, but a `run` function that raised on ranks that all
+        finished: the cleanup after the test checks the gang's health as after any test.
         """
         if not self.alive:
             raise GangError("the gang is not running")
@@ -447,7 +450,7 @@ def _cause(
     once there is one, ranks still running have FAILURE_GRACE seconds to finish."""
     died = [rank for rank, result in results.items() if result.lost == DIED]
     done = [rank for rank in finished if any(_stopped_early(d) for d in reports[rank])]
-    done += [r for r, result in results.items() if result.outcome == FAILED and not result.lost]
+    done += [r for r, result in results.items() if result.outcome != PASSED and not result.lost]
     return min(died + done, default=None)
 
 

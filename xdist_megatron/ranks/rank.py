@@ -24,6 +24,7 @@ from ..coverage import rank_coverage
 from ..protocol import (
     FAILED,
     PASSED,
+    RAISED,
     ZYGOTE_VAR,
     AtFinishLine,
     CallJob,
@@ -283,7 +284,9 @@ class _JobRunner:
             return None
         return self.session.config.pluginmanager.get_plugin(PLUGIN_NAME)
 
-    def _cleanup(self) -> None:
+    def _cleanup(self) -> str:
+        """After a `gang` test: what follows a rank-side test, the checks that keep the gang
+        included (its functions may have failed, or left the default group destroyed)."""
         from . import isolation
 
         plugin = self._in_process_rank()
@@ -292,6 +295,9 @@ class _JobRunner:
         else:
             held = plugin.holdings
             isolation.cleanup_after_job(held.groups, keep_libraries=held.megatron)
+        notes = [self._repin_device(), self._repair_default_group()]
+        _check_health()
+        return "; ".join(note for note in notes if note)
 
     def _reset(self, next_nodeid: str | None) -> None:
         from . import isolation
@@ -360,8 +366,10 @@ class _JobRunner:
             fn, args, kwargs = pickle.loads(job.payload)
             value = fn(*args, **kwargs)
             pickle.dumps(value)
-        except BaseException as exc:
+        except (KeyboardInterrupt, SystemExit) as exc:
             return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
+        except BaseException as exc:  # pytest.fail and skip too: the function's own outcome
+            return RankResult(self.rank, RAISED, _one_line(exc), traceback.format_exc())
         return RankResult(self.rank, PASSED, value=value)
 
 
