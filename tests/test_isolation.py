@@ -216,6 +216,51 @@ def test_failed_reset_retires_the_gang_without_failing_tests(pytester, run_pytes
     assert read_facts(facts_dir, "fresh")[0]["pid"] != read_facts(facts_dir, "doomed")[0]["pid"]
 
 
+REFUSING_RESTORE_CONFTEST = """
+from xdist_megatron.ranks import isolation
+
+
+def refuse(startup):
+    raise RuntimeError("restore refused")
+
+
+isolation.restore = refuse  # on the ranks: every module boundary's reset fails
+"""
+
+BEFORE_REFUSED_RESET = """
+import pytest
+from facts import record
+
+@pytest.mark.world_size(1)
+def test_before_the_boundary(rank):
+    record("before", rank=rank)
+"""
+
+AFTER_REFUSED_RESET = """
+import json, os
+import pytest
+from facts import record
+
+@pytest.mark.world_size(1)
+def test_after_the_boundary(rank):
+    with open(os.path.join(os.environ["FACTS_DIR"], "before.jsonl")) as f:
+        old = json.loads(f.readline())["pid"]
+    record("after", rank=rank, old_rank_alive=os.path.exists(f"/proc/{old}"))
+"""
+
+
+def test_a_reset_that_raises_on_live_ranks_ends_them(pytester, run_pytest, facts_dir):
+    """A reset that fails on ranks that are alive replaces the gang, and the old ranks are gone
+    before the next module's first test runs on the new one; that test does not fail."""
+    pytester.makeconftest(REFUSING_RESTORE_CONFTEST)
+    pytester.makepyfile(test_a_first=BEFORE_REFUSED_RESET, test_b_second=AFTER_REFUSED_RESET)
+    result = run_pytest("--megatron-timeout", "30")
+    result.assert_outcomes(passed=2)
+    after = read_facts(facts_dir, "after")[0]
+    assert after["pid"] != read_facts(facts_dir, "before")[0]["pid"]
+    assert not after["old_rank_alive"]
+
+
 MEGATRON_DIRTY = """
 import pytest
 import torch.distributed as dist
