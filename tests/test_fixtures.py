@@ -268,6 +268,8 @@ def test_gang_fixture(pytester, run_pytest):
     result.stdout.fnmatch_lines_random(
         [
             "E *GangError: fail_on_rank_one failed on rank(s) 1: ValueError: rank one refuses",
+            "E *GangError: fail_on_rank_one_while_rank_zero_waits failed on rank(s) 0, 1: "
+            "ValueError: rank one leaves rank zero waiting",
             "*rank 0 was still in barrier 2 s after rank 1 failed*",
             "the gang fixture needs @pytest.mark.world_size(N) on the test",
         ]

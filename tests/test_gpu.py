@@ -229,6 +229,66 @@ def test_gpu_faults_cost_one_test_each(pytester: pytest.Pytester, run_pytest) ->
     assert after == before
 
 
+GANG_FUNCTION_FAULTS = """
+import pytest, torch, torch.distributed as dist
+import xdist_megatron
+
+
+def device_side_assert():
+    device = xdist_megatron.rank_info().device
+    torch.zeros(2, device=device)[torch.tensor([10], device=device)] = 1.0
+
+
+def all_reduce_unless_rank_one():
+    if xdist_megatron.rank_info().rank == 1:
+        raise ValueError("rank one skips the all_reduce")
+    dist.all_reduce(torch.ones(4, device=xdist_megatron.rank_info().device))
+
+
+def total_after_all_reduce():
+    total = torch.ones(4, device=xdist_megatron.rank_info().device)
+    dist.all_reduce(total)
+    return total.sum().item()
+
+
+@pytest.mark.world_size(1)
+def test_device_side_assert_in_a_function(gang):
+    gang.run(device_side_assert)
+
+
+@pytest.mark.world_size(1)
+def test_after_the_functions_cuda_error(gang):
+    assert gang.run(total_after_all_reduce) == [4.0]
+
+
+@pytest.mark.world_size(2)
+def test_a_peer_raises_beside_an_nccl_all_reduce(gang):
+    gang.run(all_reduce_unless_rank_one)
+
+
+@pytest.mark.world_size(2)
+def test_after_the_unmatched_all_reduce(gang):
+    assert gang.run(total_after_all_reduce) == [8.0, 8.0]
+"""
+
+
+def test_gang_function_faults_cost_one_test_each(pytester: pytest.Pytester, run_pytest) -> None:
+    """A `gang.run` function whose asynchronous CUDA work fails, or that raises on one rank
+    while its peer's NCCL all_reduce waits for it (queued: the peer's function returned), fails
+    its own test, without a teardown error or the full timeout; the next test passes."""
+    pytester.makepyfile(test_gang_faults=GANG_FUNCTION_FAULTS)
+    result = run_pytest("-vv", "-rA", "--megatron-timeout", "60", gpus=True)
+    print(result.stdout.str())
+    result.stdout.fnmatch_lines(["*device_side_assert failed on rank(s) 0: *CUDA error*"])
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("errors", 0) == 0, outcomes
+    if torch.cuda.device_count() < 2:
+        assert outcomes.get("failed") == 1 and outcomes.get("passed") == 1, outcomes
+        return
+    result.stdout.fnmatch_lines(["*rank 0 was still in * 2 s after rank 1 failed*"])
+    assert outcomes.get("failed") == 2 and outcomes.get("passed") == 2, outcomes
+
+
 def test_a_gang_after_the_first_starts_from_a_warm_standby(tmp_path, tag) -> None:
     """Once a gang has run on a device, the zygote keeps a standby rank that already made that
     device current (its CUDA context made while idle): the next gang there, a replacement or

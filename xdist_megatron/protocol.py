@@ -174,7 +174,8 @@ class RankResult:
     """What one rank reports for one job."""
 
     rank: int
-    outcome: str  # PASSED, RAISED, or FAILED: the job failed, or the rank is not fit for the next
+    outcome: str  # PASSED; RAISED: a `gang.run` function raised, the rank is fit for the next
+    # job; FAILED: the job failed, or the rank is not fit for the next one
     message: str = ""  # one line: the exception
     longrepr: Any = None  # pytest's failure representation (or text) for failures
     crash: tuple[str, int] | None = None  # (path, lineno) of the failure

@@ -274,12 +274,12 @@ class Gang:
             ) from exc
         main_path = getattr(sys.modules["__main__"], "__file__", None)
         results = self.execute(CallJob(payload, list(sys.path), main_path), self.timeout)
-        failed = [r for r in results if r.outcome != PASSED]
-        if failed:
-            details = "\n".join(f"--- rank {r.rank} ---\n{r.longrepr or r.message}" for r in failed)
+        failed = sorted((r for r in results if r.outcome != PASSED), key=lambda r: bool(r.lost))
+        if failed:  # the ranks that raised first: the others were stuck waiting for them
+            details = "\n".join(_rank_failure(r) for r in failed)
             raise GangError(
                 f"{getattr(fn, '__name__', fn)} failed on rank(s) "
-                f"{_ranks([r.rank for r in failed])}: {failed[0].message}\n{details}",
+                f"{_ranks(sorted(r.rank for r in failed))}: {failed[0].message}\n{details}",
                 results,
             )
         return [r.value for r in results]
@@ -290,7 +290,8 @@ class Gang:
         Never hangs: a rank that dies is reported with its exit code, ranks still busy at the
         timeout (or shortly after another rank failed) are reported with their Python stacks.
         Any failure retires the gang, but a `run` function that raised on ranks that all
-        finished: the cleanup after the test checks the gang's health as after any test.
+        finished (its CUDA work done): an ordinary failure. Under pytest the cleanup after the
+        test then checks the gang's health.
         """
         if not self.alive:
             raise GangError("the gang is not running")
@@ -467,6 +468,12 @@ def _read_text(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def _rank_failure(result: RankResult) -> str:
+    """One rank's part of a `run` failure: what happened, then its traceback or stacks."""
+    shown = result.longrepr if result.longrepr not in (None, result.message) else ""
+    return f"--- rank {result.rank}: {result.message} ---\n{shown}".rstrip()
 
 
 def _ranks(ranks: list[int]) -> str:

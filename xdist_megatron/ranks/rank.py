@@ -358,6 +358,9 @@ class _JobRunner:
                 _store.delete_key(key)
 
     def _run_call(self, job: CallJob) -> RankResult:
+        """Call the function. It raising is its own outcome and keeps the rank; the rank is not
+        fit when the function's CUDA work then fails, or never ends (a peer that raised left a
+        collective unmatched: the wait shows this rank stuck, as in a test)."""
         if job.sys_path:
             sys.path[:] = job.sys_path
         try:
@@ -366,11 +369,16 @@ class _JobRunner:
             fn, args, kwargs = pickle.loads(job.payload)
             value = fn(*args, **kwargs)
             pickle.dumps(value)
+            result = RankResult(self.rank, PASSED, value=value)
         except (KeyboardInterrupt, SystemExit) as exc:
             return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
         except BaseException as exc:  # pytest.fail and skip too: the function's own outcome
-            return RankResult(self.rank, RAISED, _one_line(exc), traceback.format_exc())
-        return RankResult(self.rank, PASSED, value=value)
+            result = RankResult(self.rank, RAISED, _one_line(exc), traceback.format_exc())
+        try:
+            _synchronize_cuda()
+        except BaseException as exc:
+            return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
+        return result
 
 
 def _default_group() -> Any:
@@ -381,12 +389,17 @@ def _default_group() -> Any:
 
 def _check_health() -> None:
     """After a test: no CUDA error pending, and the default group still answers."""
-    import torch
     import torch.distributed as dist
+
+    _synchronize_cuda()
+    dist.barrier()
+
+
+def _synchronize_cuda() -> None:
+    import torch
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    dist.barrier()
 
 
 def _import_driver_main(path: str) -> None:
