@@ -8,7 +8,11 @@ import uuid
 from collections.abc import Callable
 
 import pytest
+import torch  # noqa: F401 - see below
 
+# Imported before any test: pytester drops the modules a test imported first when it ends, and
+# torch's C extension cannot be initialised twice in one process (a later `import torch` there
+# fails with "SystemError: ... bad call flags"). Runs of a few test files under -n hit it.
 pytest_plugins = ["pytester"]
 
 TAG_VAR = "XDIST_MEGATRON_TEST_TAG"

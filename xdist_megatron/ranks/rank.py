@@ -261,6 +261,11 @@ class _JobRunner:
     def _run_test(self, job: TestJob) -> str:
         """The test's protocol in the rank's session, then the checks that keep the gang."""
         self.session.run(job.nodeid, job.module_path, job.next_nodeid)
+        return self._keep_fit()
+
+    def _keep_fit(self) -> str:
+        """What a test may have left that the next one must not inherit (its own device, a
+        working default group), then the health check; what was repaired, for a warning."""
         notes = [self._repin_device(), self._repair_default_group()]
         _check_health()
         return "; ".join(note for note in notes if note)
@@ -295,9 +300,7 @@ class _JobRunner:
         else:
             held = plugin.holdings
             isolation.cleanup_after_job(held.groups, keep_libraries=held.megatron)
-        notes = [self._repin_device(), self._repair_default_group()]
-        _check_health()
-        return "; ".join(note for note in notes if note)
+        return self._keep_fit()
 
     def _reset(self, next_nodeid: str | None) -> None:
         from . import isolation
