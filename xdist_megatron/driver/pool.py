@@ -159,20 +159,20 @@ class GangPool:
             gang.retire()
             self._log_retired(world_size, "a rank died between tests")
         if gang is not None and gang.alive and gang.last_module not in (None, module):
-            gang = self._cross_module_boundary(gang, module, nodeid)
-        if gang is not None and not gang.alive:
-            self._log_retired(world_size, "a failure in a test")  # one the `gang` fixture ran
-        if gang is None or not gang.alive:
-            gang = self._start(world_size)
+            self._cross_module_boundary(gang, module, nodeid)  # a failed reset ends the gang
+        self._ensure_started(world_size)
+        gang = self._gangs[world_size]
         gang.last_module = module
         gang.timeout = timeout
         return gang
 
-    def _cross_module_boundary(self, gang: Gang, module: str, nodeid: str | None) -> Gang | None:
+    def _cross_module_boundary(self, gang: Gang, module: str, nodeid: str | None) -> None:
+        """Reset `gang` for `module`, or end it (module scope, or a reset that failed: `execute`
+        retired it) for `_ensure_started` to replace."""
         if self.scope == MODULE_SCOPE:
             gang.close()
             self._log_retired(gang.world_size, "module scope")
-            return None
+            return
         results = gang.execute(ResetJob(nodeid), RESET_TIMEOUT)
         failed = [r for r in results if r.outcome == FAILED]
         if failed:
@@ -181,8 +181,6 @@ class GangPool:
                 f"{failed[0].rank} ({failed[0].message}); replaced it with a fresh gang"
             )
             self._log_retired(gang.world_size, "reset failed")
-            return None
-        return gang
 
     def _start(self, world_size: int) -> Gang:
         try:
