@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Issue 23's GPU runs (README, "Transformer Engine on one GPU") as one detached job on the lent
+# machine, so that a sitting's device time goes to runs, not to the gaps between calls (the
+# machine is given back 30 s after a call returns). From the repository root, on the device:
+#
+#   bash bench/te_sitting.sh prepare       call 1, carry ["bench/out/modelopt",
+#                                          "bench/out/megatron_full"]: Model-Optimizer's prebuild
+#                                          and Megatron-LM's set-up, detached (no TE needed)
+#   (TE's calls, ../shared/te/README.md, the last one ending in:)
+#   bash bench/te_sitting.sh start [STEPS] the job, detached; STEPS comma-separated, default all:
+#                                          gpu-tests,mo-p2-serial,mo-p3,mo-p4,mega-rest
+#   bash bench/te_sitting.sh poll SECONDS  every later call: waits until the job ends or SECONDS
+#                                          pass, prints its step log, packs /tmp/sit into $OUT
+#
+# Each step writes into /tmp/sit/out/STEP (a poll brings back all of it as sitting.tgz), so a
+# machine taken back mid-job still leaves what the finished steps measured. SIT (/tmp/sit) and
+# PYTHON (python3, the tests' interpreter) can be overridden for a CPU rehearsal of the mechanics.
+set -uo pipefail
+SIT=${SIT:-/tmp/sit}
+ALL=gpu-tests,mo-p2-serial,mo-p3,mo-p4,mega-rest
+
+note() { echo "== $(date +%T) $*" >>"$SIT/steps.log"; }
+
+megatron_rest() {  # the suite less te_files.txt, each mode its own run_whole.sh (its own junit)
+    local mode cap
+    for mode_cap in torchrun:600 serial:500 xdist-k4:400; do
+        mode=${mode_cap%:*} cap=${mode_cap#*:}
+        note "mega-rest $mode"
+        mkdir -p "$SIT/out/mega-rest-$mode"
+        PYTHONPATH=/tmp/site OUT=$SIT/out/mega-rest-$mode EXCEPT=te_files.txt \
+            timeout $((cap + 150)) bash bench/out/megatron_full/run_whole.sh "rest-$mode" "$mode" \
+            --cap "$cap" >"$SIT/out/mega-rest-$mode.log" 2>&1
+        note "mega-rest $mode: exit $?"
+    done
+}
+
+modelopt() {  # NAME MODES CAP PART
+    mkdir -p "$SIT/out/$1"
+    OUT=$SIT/out/$1 BUDGET=1200 bash bench/modelopt/run.sh "$1" "$2" "$3" --part "$4" \
+        >"$SIT/out/$1.log" 2>&1
+}
+
+run_step() {
+    case $1 in
+        gpu-tests)
+            PYTEST_PLUGINS=xdist_megatron.plugin PYTHONPATH=/tmp/site:$PWD timeout 300 \
+                ${PYTHON:-python3} -m pytest tests/test_gpu.py -k gang_function_faults -rA -p no:cacheprovider \
+                >"$SIT/out/gpu-tests.log" 2>&1 ;;
+        mo-p2-serial) modelopt mo-p2-serial serial 200 2/4 ;;
+        mo-p3) modelopt mo-p3 own,serial,xdist-k4 280 3/4 ;;
+        mo-p4) modelopt mo-p4 own,serial,xdist-k4 280 4/4 ;;
+        mega-rest) megatron_rest ;;
+        *) echo "unknown step $1"; return 2 ;;
+    esac
+}
+
+job() {
+    note "job started: $1"
+    for _ in $(seq 600); do [[ -f $SIT/prepared ]] && break; sleep 1; done
+    note "prepared: $(cat "$SIT/prepared" 2>/dev/null || echo 'not after 600 s')"
+    for step in ${1//,/ }; do
+        note "$step"
+        run_step "$step"
+        note "$step: exit $?"
+    done
+    note "job done"
+    touch "$SIT/done"
+}
+
+case ${1:-} in
+    prepare)
+        mkdir -p "$SIT/out"
+        setsid bash -c "OUT=$SIT/out bash bench/modelopt/run.sh prebuild prebuild \
+            >$SIT/out/prebuild.log 2>&1; bash bench/out/megatron_full/setup_device.sh \
+            >$SIT/out/megatron-setup.log 2>&1 && touch /tmp/megatron_site/.ready; \
+            echo \"prebuild and megatron set-up ended \$(date +%T)\" >$SIT/prepared" \
+            </dev/null >/dev/null 2>&1 &
+        echo "preparing (pid $!)" ;;
+    start)
+        mkdir -p "$SIT/out"
+        setsid bash "$0" job "${2:-$ALL}" </dev/null >>"$SIT/job.log" 2>&1 &
+        echo "job $! started: ${2:-$ALL}" ;;
+    job) job "$2" ;;
+    poll)
+        : "${OUT:?OUT must name the folder that comes back}"
+        deadline=$(($(date +%s) + ${2:-500}))
+        while [[ ! -f $SIT/done ]] && (($(date +%s) < deadline)); do sleep 5; done
+        cat "$SIT/steps.log" 2>/dev/null
+        tar czf "$OUT/sitting.tgz" -C "$SIT" . ;;
+    *) sed -n '2,17p' "$0"; exit 2 ;;
+esac
