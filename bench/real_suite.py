@@ -74,6 +74,7 @@ from _util import (
 INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
 RANK_SCRIPT = Path(__file__).with_name("torchrun_rank.py")  # what torchrun starts on each rank
+STREAM_PLUGIN = Path(__file__).with_name("stream_reports.py")
 MODES = ("torchrun", "serial", "xdist", "faults", "collect")  # collect: --collected only
 TIMED = MODES[:3]  # the modes --rounds repeats, with every xdist-kK
 SHARED_XDIST = re.compile(r"xdist-k([1-9][0-9]*)")  # xdist, K gangs per device
@@ -338,16 +339,30 @@ def collect(
     command = [sys.executable, *profiler, "-m", "pytest", "--collect-only", "-q", "-p",
                f"no:{PLUGIN}", testdir, *pytest_args]  # fmt: skip
     started = time.monotonic()
-    out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    out, ids = collect_ids(command, cwd)
     took = f"{time.monotonic() - started:.1f} s"
     if profile is not None:
         took += f", profiled: {profile}"
-    ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
     progress(f"collected {len(ids)} tests ({took})")
     if not ids:
         progress(f"collection found no tests (exit {out.returncode}):")
         progress(tail(out.stdout + out.stderr, LOG_TAIL))
     return [junit_key(nodeid) for nodeid in ids]
+
+
+def collect_ids(command: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run a `--collect-only` command; its output, and the node ids it collected as
+    `stream_reports` wrote them (the terminal's list changes form with a suite's verbosity).
+    Only that module goes on the path: bench/ holds names a suite may import (`coverage`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        os.symlink(STREAM_PLUGIN, os.path.join(folder, STREAM_PLUGIN.name))
+        ids_file = os.path.join(folder, "ids")
+        path = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "COLLECTED_IDS": ids_file}
+        out = subprocess.run([*command, "-p", STREAM_PLUGIN.stem], cwd=cwd, env=env,
+                             capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
+        ids = Path(ids_file).read_text().splitlines() if os.path.exists(ids_file) else []
+    return out, ids
 
 
 # -- reading results ------------------------------------------------------------------------------

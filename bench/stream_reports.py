@@ -4,7 +4,7 @@ leaves the outcomes it reached (junit is written only at the end).
 `real_suite.py` gives each torchrun rank a `StreamReports`; a run on the plugin takes it as
 `-p stream_reports` with $STREAM_REPORTS naming the file. Only the process that reports the run
 writes: not the plugin's ranks or zygote, not xdist's workers (their reports reach the
-controller)."""
+controller). With $COLLECTED_IDS naming a file, it also writes the collected node ids there."""
 
 import json
 import os
@@ -27,7 +27,22 @@ class StreamReports:
         self.file.write(json.dumps(line) + "\n")
 
 
+class CollectedIds:
+    """A pytest plugin object: the collected node ids, one per line. What `--collect-only`
+    prints changes form with the verbosity a suite's addopts add (`-v` and `-q` meet)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def pytest_collection_finish(self, session) -> None:
+        with open(self.path, "w") as file:
+            file.writelines(f"{item.nodeid}\n" for item in session.items)
+
+
 def pytest_configure(config) -> None:
-    path = os.environ.get("STREAM_REPORTS")
-    if path and not any(name in os.environ for name in NOT_REPORTING):
+    if any(name in os.environ for name in NOT_REPORTING):
+        return
+    if path := os.environ.get("STREAM_REPORTS"):
         config.pluginmanager.register(StreamReports(path), "stream-reports")
+    if path := os.environ.get("COLLECTED_IDS"):
+        config.pluginmanager.register(CollectedIds(path), "collected-ids")

@@ -274,8 +274,10 @@ def test_real_suite_torchrun_ranks_can_spawn_children(plain_shell: Path) -> None
     """A `spawn` child of a torchrun rank starts, as under `torchrun -m pytest`: when real_suite
     itself was the ranks' script, the child's import of it failed, and Megatron-LM's
     checkpointing tests failed under torchrun only. Both modes say where their wall went, and
-    the collect-only run that lists the expected tests can be profiled."""
+    the collect-only run that lists the expected tests can be profiled, whatever verbosity the
+    suite's addopts add (with `-vv` the terminal lists no node ids)."""
     (plain_shell / "suite" / "test_spawns.py").write_text(SPAWNS_SUITE)
+    (plain_shell / "pytest.ini").write_text("[pytest]\naddopts = -vv\n")
     argv = ["real_suite.py", "suite", "--nproc", "1", "--modes", "torchrun,serial", "--out",
             "{tmp}/out", "--json", "{tmp}/runs.json",
             "--profile-collection", "{tmp}/collect.prof"]  # fmt: skip
@@ -283,6 +285,7 @@ def test_real_suite_torchrun_ranks_can_spawn_children(plain_shell: Path) -> None
     runs = json.loads((plain_shell / "runs.json").read_text())["runs"]
     passed = {"passed": 2, "failed": 0, "skipped": 0, "error": 0}
     assert [run["counts"] for run in runs] == [passed, passed]
+    assert all(sorted(run["expected"]) == sorted(run["tests"]) for run in runs), runs
     assert all(set(run["phases"]) == {"to first test", "tests", "after last test"} for run in runs)
     assert pstats.Stats(str(plain_shell / "collect.prof")).total_calls > 0  # the collect-only's
 
@@ -307,7 +310,8 @@ def test_modelopt_compare_runs_its_modes_on_the_suites_prebuilt_extensions(
     (suite / "tests" / "gpu_megatron").mkdir(parents=True)
     (suite / "tests" / "gpu_megatron" / "test_ext.py").write_text(MODELOPT_STYLE_TEST)
     (suite / "stream_reports.py").write_text((BENCH / "stream_reports.py").read_text())
-    (suite / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-v"\n')  # theirs
+    # upstream's addopts say -v; with -vv the terminal's collect-only lists no node ids
+    (suite / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-vv"\n')
     prebuilt = str(plain_shell / "extensions")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", prebuilt)
     monkeypatch.setenv("PREBUILT_EXTENSIONS", prebuilt)

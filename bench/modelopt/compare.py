@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -90,12 +89,8 @@ def collect(suite: Path, targets: list[str], pytest_args: list[str]) -> dict:
     command = [sys.executable, "-m", "pytest", "--collect-only", "-qq", "-p", f"no:{PLUGIN}",
                "--continue-on-collection-errors", *targets, *pytest_args]  # fmt: skip
     started = time.monotonic()
-    out = subprocess.run(
-        command, cwd=suite, capture_output=True, text=True, stdin=subprocess.DEVNULL
-    )
+    out, ids = real_suite.collect_ids(command, suite)
     text = out.stdout + out.stderr
-    lines = out.stdout.splitlines()  # the ids, then again in the warnings summary: keep the first
-    ids = list(dict.fromkeys(line for line in lines if "::" in line and not line.startswith(" ")))
     per_module = collections.Counter(nodeid.split("::")[0] for nodeid in ids)
     errors = sorted(set(re.findall(r"^ERROR (\S+)", text, re.M)))
     reasons = {}
