@@ -78,6 +78,48 @@ def test_layout_is_kept_for_tests_of_the_same_layout(pytester, run_pytest, tmp_p
         assert facts[f"tp2-again-{rank}"]["pid"] == facts[f"tp2-0-{rank}"]["pid"]
 
 
+FAILING_LAYOUT_SUITE = (
+    LAYOUT_SUITE.split("@pytest.mark.world_size")[0]
+    + """
+@pytest.mark.world_size(2)
+@pytest.mark.megatron(tp=2)
+def test_spoils_the_layout_then_fails_on_rank_1():
+    record("spoilt")
+    ps.set_tensor_model_parallel_rank(5)  # an override a passing test would have undone
+    assert dist.get_rank() == 0
+
+@pytest.mark.world_size(2)
+@pytest.mark.megatron(tp=2)
+def test_the_next_test_of_the_layout_gets_a_fresh_one():
+    record("next")
+    assert ps.get_tensor_model_parallel_rank() == dist.get_rank()
+"""
+)
+
+
+@pytest.mark.parametrize("mode", ["serial", "xdist", "torchrun"])
+def test_a_failed_test_does_not_hand_its_layout_on(
+    pytester, run_pytest, tmp_path, monkeypatch, tag, mode
+):
+    """A test that fails, here on one rank only, may leave its layout half-changed: the next test
+    of that layout gets it built again (on every rank alike, or the ranks' group creations would
+    not meet), on the same gang; under torchrun too."""
+    monkeypatch.setenv("FACTS", str(tmp_path))
+    pytester.makepyfile(test_fails=FAILING_LAYOUT_SUITE)
+    if mode == "torchrun":
+        output = _torchrun_pytest(pytester, expect_rc=1)
+        assert "2 passed" in output and "1 failed, 1 passed" in output, output
+        assert_no_processes_left(tag)
+    else:
+        xdist = ["-n", "2", "--dist", "megatron"] if mode == "xdist" else []
+        run_pytest("--megatron-timeout", "60", *xdist).assert_outcomes(passed=1, failed=1)
+    facts = _facts(tmp_path)
+    for rank in (0, 1):
+        spoilt, after = facts[f"spoilt-{rank}"], facts[f"next-{rank}"]
+        assert after["tp_group"] != spoilt["tp_group"], "the failed test's layout was kept"
+        assert after["pid"] == spoilt["pid"], "an ordinary failure keeps the gang"
+
+
 def test_malformed_layout_is_a_collection_error(pytester, run_pytest):
     pytester.makepyfile(
         """
@@ -136,22 +178,17 @@ def test_torchrun_passthrough(pytester, tag):
     """Under `torchrun -m pytest` marked tests run in-process on each torchrun rank; sizes that
     differ from WORLD_SIZE are skipped; no gang is started."""
     pytester.makepyfile(test_torchrun_suite=TORCHRUN_SUITE)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-rs",
-        str(pytester.path),
-    ]
-    done = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    output = _torchrun_pytest(pytester, expect_rc=0)
     assert output.count("4 passed, 1 skipped") == 2, output
     assert "needs world size 1, torchrun started 2" in output
     assert_no_processes_left(tag)
+
+
+def _torchrun_pytest(pytester: pytest.Pytester, expect_rc: int) -> str:
+    """`torchrun --nproc-per-node 2 -m pytest` on pytester's folder; both ranks' output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "pytest", "-p", "no:cacheprovider", "-rs", str(pytester.path)]  # fmt: skip
+    done = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == expect_rc, output
+    return output

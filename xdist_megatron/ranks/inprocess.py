@@ -8,6 +8,7 @@ runs the whole session, so it also crosses module boundaries itself; a gang's dr
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Generator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from ..protocol import LAYOUT, WORLD_SIZE, RankInfo, module_of, under_torchrun
-from . import megatron_layout
+from . import agreement, megatron_layout
 from .holdings import ScopeHoldings
 
 PLUGIN_NAME = "xdist-megatron-rank"
@@ -35,13 +36,16 @@ def torchrun_rank_info() -> RankInfo | None:
 class InProcessRank:
     """pytest plugin of a rank process: set up before each of its tests, clean after."""
 
-    def __init__(self, config: pytest.Config, finish_line: Callable[[], None] | None) -> None:
+    def __init__(self, config: pytest.Config, finish_line: Callable[[bool], bool] | None) -> None:
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.holdings = ScopeHoldings(self._rebase)
         config.pluginmanager.register(self.holdings, "xdist-megatron-holdings")
         # On a gang: a barrier through the driver's store that every rank passes once its test
-        # is over, before the collective cleanup (so the cleanup never meets a peer's collective).
+        # is over, before the collective cleanup (so the cleanup never meets a peer's collective);
+        # it says whether the test failed on any rank.
         self._finish_line = finish_line
+        self._failed = False  # the running test raised here (in setup, call or teardown)
+        self._meetings = 0  # under torchrun: agreements reached through the default store
         self._startup: Any = None
         self._module: str | None = None
         self._layout: Any = None
@@ -60,7 +64,8 @@ class InProcessRank:
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         if self.applies(item) and not self.on_gang:
             self._enter_module(module_of(item.nodeid))
-        result = yield  # skip markers evaluated and fixtures set up: the test will run
+        with self._noting_failure():
+            result = yield  # skip markers evaluated and fixtures set up: the test will run
         if self.applies(item):
             self._switch_layout(item)
         return result
@@ -69,7 +74,8 @@ class InProcessRank:
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
         """An asynchronous CUDA error of the body (a device-side assert) fails the body."""
         __tracebackhide__ = True
-        result = yield
+        with self._noting_failure():
+            result = yield
         if self.applies(item):
             import torch
 
@@ -87,10 +93,22 @@ class InProcessRank:
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
         __tracebackhide__ = True
         try:
-            return (yield)
+            with self._noting_failure():
+                return (yield)
         finally:
             if self.applies(item):
                 self._after_test()
+
+    @contextlib.contextmanager
+    def _noting_failure(self) -> Generator[None, None, None]:
+        """Note that the test raised (a skip is no failure), for its layout's sake."""
+        try:
+            yield
+        except pytest.skip.Exception:
+            raise
+        except BaseException:
+            self._failed = True
+            raise
 
     def _enter_module(self, module: str) -> None:
         """Under torchrun: join the group, and reset when the test's module is a new one (the
@@ -113,16 +131,32 @@ class InProcessRank:
         __tracebackhide__ = True
         from . import isolation
 
+        failed, self._failed = self._failed, False
         if self._poisoned:
             return
-
-        if self._finish_line is not None:
-            self._finish_line()
+        if self._agree_failed(failed):
+            self._layout = None  # a failed test may have left it half-changed: built again
         isolation.cleanup_after_job(
             keep_groups=self.holdings.groups,
             keep_megatron=self._layout is not None,
             keep_libraries=self.holdings.megatron,
             destroy_groups=self._groups_over_limit(),
+        )
+
+    def _agree_failed(self, failed: bool) -> bool:
+        """Whether the test failed on any rank, the same answer on every rank (on a gang, at its
+        finish line). Under torchrun only a kept layout needs the answer: through the store of
+        torchrun's group, which the layout's tests joined."""
+        if self._finish_line is not None:
+            return self._finish_line(failed)
+        import torch.distributed as dist
+
+        if self._layout is None or not dist.is_initialized():
+            return failed
+        self._meetings += 1
+        store = dist.distributed_c10d._get_default_store()
+        return agreement.meet(
+            store, f"xdist-megatron/failed/{self._meetings}", self.world_size, failed
         )
 
     def _groups_over_limit(self) -> bool:

@@ -39,6 +39,7 @@ from ..protocol import (
     ShutdownJob,
     TestJob,
 )
+from . import agreement
 from .capture import FdCapture, capture_prefix
 
 STACK_SIGNAL = signal.SIGUSR1
@@ -149,19 +150,18 @@ def _join_process_group(spec: RankSpec) -> None:
     _store = store
 
 
-def finish_line() -> None:
-    """Wait until every rank of the gang is done with its test, through the driver's store: no
-    collective, so a rank that failed early never meets a peer's collective with its own. The
-    driver bounds the wait (a peer that never comes is hung or dead)."""
+def finish_line(failed: bool) -> bool:
+    """Wait until every rank of the gang is done with its test (`agreement.meet`, on the driver's
+    store); whether the test failed on any rank. The driver bounds the wait (a peer that never
+    comes is hung or dead)."""
     global _finish_lines
     assert _store is not None and _info is not None and _send is not None
     rank_coverage.publish()  # a peer that hangs has the gang killed while this one waits here
     _send(AtFinishLine(_info.rank))  # a peer still running after this one failed is stuck
     _finish_lines += 1
-    key = f"xdist-megatron/finished/{_finish_lines}"
-    if _store.add(key, 1) == _info.world_size:
-        _store.set(f"{key}/all", "")
-    _store.wait([f"{key}/all"], timedelta(days=1))
+    return agreement.meet(
+        _store, f"xdist-megatron/finished/{_finish_lines}", _info.world_size, failed
+    )
 
 
 def _leave_process_group() -> None:
