@@ -124,6 +124,20 @@ def test_one_gang_per_device_by_default(pytester, tag) -> None:
     assert most_at_once(spans) == 1, (spans, time.monotonic() - started)
 
 
+@pytest.mark.parametrize("per_device", [1, 3])
+def test_n_auto_starts_a_worker_per_gang_the_devices_hold(pytester, run_pytest, per_device) -> None:
+    """DESIGN: with K gangs per device, `-n auto` is devices x K workers."""
+    pytester.makepyfile(
+        test_one="import pytest\n\n@pytest.mark.world_size(1)\ndef test_a():\n    pass\n"
+    )
+    result = run_pytest(
+        *("-n", "auto", "--dist", "megatron", "--megatron-devices", "cpu:2"),
+        *("--megatron-gangs-per-device", str(per_device)),
+    )
+    result.stdout.fnmatch_lines([f"{2 * per_device} workers [[]1 item[]]"])
+    result.assert_outcomes(passed=1)
+
+
 def test_a_bad_count_is_a_usage_error(pytester) -> None:
     pytester.makepyfile(test_shared="def test_nothing():\n    pass\n")
     result = pytester.runpytest_subprocess("--megatron-gangs-per-device", "0")

@@ -208,11 +208,15 @@ def test_a_bad_devices_option_is_a_usage_error_in_every_mode(pytester, run_pytes
 
 
 def test_help_lists_options_in_one_group_and_the_marker(run_pytest):
-    """`pytest --help` shows the three options under one heading; `--markers` shows world_size."""
+    """`pytest --help` shows every `--megatron-*` option under one heading; `--markers` shows
+    world_size."""
     lines = run_pytest("--help").stdout.lines
     start = next(i for i, line in enumerate(lines) if line.startswith("xdist-megatron"))
     end = next(i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace())
     group = "\n".join(lines[start:end])
     for option in ("--megatron-timeout", "--megatron-devices", "--megatron-backend"):
         assert option in group
+    declared = {line.split()[0].split("=")[0] for line in lines if line.startswith("  --megatron-")}
+    listed = {line.split()[0].split("=")[0] for line in lines[start:end] if line.startswith("  --")}
+    assert declared <= listed, declared - listed
     run_pytest("--markers").stdout.fnmatch_lines(["@pytest.mark.world_size(*sizes):*"])
