@@ -317,3 +317,25 @@ def test_slower_than_nothing():
     refused = run_pytest("--megatron-timeout", "-5")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(["*--megatron-timeout / megatron_timeout must be seconds >= 0*"])
+
+
+def test_ini_settings_work_as_their_options(pytester, run_pytest):
+    """`megatron_world_size` and `megatron_timeout` in the ini, in a plain run: an unmarked test
+    runs on two ranks, and a rank that hangs is cut at the ini's timeout."""
+    pytester.makeini("[pytest]\nmegatron_world_size = 2\nmegatron_timeout = 3\n")
+    pytester.makepyfile(
+        test_ini="""
+import os
+import time
+
+def test_on_two_ranks():
+    assert os.environ["WORLD_SIZE"] == "2"
+
+def test_hangs_on_rank_1():
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+"""
+    )
+    result = run_pytest("-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 timed out after 3 s*"])
