@@ -262,6 +262,7 @@ def test_a_reset_that_raises_on_live_ranks_ends_them(pytester, run_pytest, facts
 
 
 MEGATRON_DIRTY = """
+import os
 import pytest
 import torch.distributed as dist
 from megatron.core import num_microbatches_calculator as nmc
@@ -282,6 +283,8 @@ def test_leave_every_megatron_singleton_dirty(rank):
     assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None
     assert tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     assert rsm._GLOBAL_RERUN_STATE_MACHINE is not None
+    with open(os.path.join(os.environ["PIDS"], f"dirty-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
 """
 
 MEGATRON_CLEAN = """
@@ -303,13 +306,21 @@ def test_every_megatron_singleton_is_clean():
     assert not tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     assert rsm._GLOBAL_RERUN_STATE_MACHINE is None
     assert len(dist.distributed_c10d._world.pg_map) == 1
+    with open(os.path.join(os.environ["PIDS"], f"clean-{dist.get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
 """
 
 
-def test_megatron_state_dirtied_in_one_module_is_clean_in_the_next(pytester, run_pytest):
+def test_megatron_state_dirtied_in_one_module_is_clean_in_the_next(
+    pytester, run_pytest, tmp_path, monkeypatch
+):
     """Parallel state, the data-parallel rank override, embedding ranks, the global memory
     buffer, the microbatch calculator, the RNG tracker, the rerun state machine and leaked
     groups: all left dirty by module A, all clean in module B on the same gang."""
     pytest.importorskip("megatron.core")
+    monkeypatch.setenv("PIDS", str(tmp_path))
     pytester.makepyfile(test_a_megatron=MEGATRON_DIRTY, test_b_megatron=MEGATRON_CLEAN)
     run_pytest("--megatron-timeout", "120").assert_outcomes(passed=2)
+    for rank in (0, 1):
+        dirty, clean = ((tmp_path / f"{t}-{rank}").read_text() for t in ("dirty", "clean"))
+        assert dirty == clean, "the gang was replaced, not reset"

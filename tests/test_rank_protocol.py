@@ -39,6 +39,11 @@ def test_fails_on_rank_1_only(rank):
 def test_destroys_the_default_group(rank):
     dist.destroy_process_group()
 
+def test_shrinks_the_default_group_to_one_rank(rank):
+    # as a test that re-creates the world with another size leaves it
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
 @pytest.mark.parametrize("attempt", [1, 2])
 def test_reinitialises_from_the_environment(rank, attempt):
     dist.destroy_process_group()
@@ -73,16 +78,18 @@ def test_ordinary_failures_keep_the_gang_and_the_default_group_is_restored(
 ):
     """A failure on one rank while the other finished is reported at once and keeps the gang;
     a test that destroys the default group, or initialises it again from the environment (in two
-    tests: torchrun's agent-store contract, and its rendezvous keys dropped in between), leaves
-    the next test a working group on the same ranks."""
+    tests: torchrun's agent-store contract, and its rendezvous keys dropped in between), or
+    re-creates it with another size, leaves the next test a working group on the same ranks."""
     pytester.makepyfile(test_keep=KEEP)
     result = run_pytest("-rA", "--megatron-timeout", "60", "--durations=0", "-vv")
-    result.assert_outcomes(passed=5, failed=1)
+    result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines_random(
         [
             "FAILED test_keep.py::test_fails_on_rank_1_only - rank 1: assert 1 == 0",
             "*GangWarning: rank 0: the test left the default process group destroyed; the gang "
             "restored it*",
+            "*GangWarning: rank 0: the test left the default process group re-created with 1 "
+            "ranks; the gang restored it*",
         ]
     )
     pids = {name: {f["pid"] for f in facts_dir(name)} for name in ("before", "failing", "after")}

@@ -2,14 +2,14 @@
 for every test without the plugin, with the plugin loaded under torchrun (passthrough), serially
 with `--megatron-world-size 2`, and under `-n 2 --dist megatron --megatron-world-size 2`.
 
-The suite is what a Megatron user has: an autouse conftest fixture joins the default group from
-the environment, the tests carry no world_size marker, and they use pytest's own fixtures
-(`monkeypatch`, `tmp_path`, `capsys`, `caplog`), pytest-mock's `mocker`, pytest-asyncio, xunit
-`setup_class` state, a module-scoped group, a parametrized `world_size`, destroy-then-re-init from
-the environment and Megatron parallel state per test. Some tests fail, skip, xfail or error by
-design, one fails on rank 1 only, so the comparison is not one of all-passed runs. Outcomes are
-read from `--junitxml`: under torchrun every rank writes its own (pytest expands `${RANK}` in the
-path itself) and the ranks' outcomes are merged as the plugin merges them (the contract's rule)."""
+The suite is what a Megatron user has: an autouse conftest fixture joins the default group from the
+environment, the tests carry no world_size marker, and they use pytest's own fixtures
+(`monkeypatch`, `tmp_path`, `capsys`, `caplog`, `recwarn`), pytest-mock's `mocker`, pytest-asyncio,
+xunit `setup_class` state, a module-scoped group, a parametrized `world_size`, destroy-then-re-init
+from the environment and Megatron parallel state per test. Some tests fail, skip, xfail or error by
+design, one fails on rank 1 only, so the comparison is not one of all-passed runs. Outcomes are read
+from `--junitxml`: under torchrun every rank writes its own (pytest expands `${RANK}` in the path
+itself) and the ranks' outcomes are merged as the plugin merges them (the contract's rule)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ TEST_COLLECTIVES = """
 import asyncio
 import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -145,6 +146,11 @@ def test_caplog_captures(caplog):
 def test_capsys_reads_print(capsys):
     print(f"hello from rank {dist.get_rank()}")
     assert capsys.readouterr().out == f"hello from rank {dist.get_rank()}\\n"
+
+
+def test_recwarn_records(recwarn):
+    warnings.warn(f"rank {dist.get_rank()} warns", UserWarning)
+    assert [str(w.message) for w in recwarn] == [f"rank {dist.get_rank()} warns"]
 
 
 def test_tmp_path_per_rank(tmp_path):
@@ -313,6 +319,7 @@ EXPECTED_PER_RANK: dict[str, tuple[str, str]] = {
     C + "test_mocker_undone": ("passed", "passed"),
     C + "test_caplog_captures": ("passed", "passed"),
     C + "test_capsys_reads_print": ("passed", "passed"),
+    C + "test_recwarn_records": ("passed", "passed"),
     C + "test_tmp_path_per_rank": ("passed", "passed"),
     C + "test_monkeypatch_setenv": ("passed", "passed"),
     C + "test_monkeypatch_undone": ("passed", "passed"),
