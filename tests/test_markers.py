@@ -129,6 +129,24 @@ def test_env(rank, world_size):
     assert recorded(pytester) == {"all": [4]}
 
 
+def test_the_backend_option_is_the_ranks_backend(pytester, run_pytest, monkeypatch):
+    """--megatron-backend is what the ranks' default group is made with (CPU default: gloo)."""
+    pytester.makepyfile(
+        test_backend="""
+import os
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.world_size(2)
+def test_backend():
+    assert dist.get_backend() == os.environ["EXPECTED_BACKEND"]
+"""
+    )
+    for option, expected in (((), "gloo"), (("--megatron-backend", "cpu:gloo"), "cpu:gloo")):
+        monkeypatch.setenv("EXPECTED_BACKEND", expected)
+        run_pytest(*option, "--megatron-timeout", "20").assert_outcomes(passed=1)
+
+
 MALFORMED = {"zero": "0", "negative": "-1", "text": '"x"', "float": "1.5", "empty": ""}
 
 
