@@ -120,6 +120,56 @@ def test_a_failed_test_does_not_hand_its_layout_on(
         assert after["pid"] == spoilt["pid"], "an ordinary failure keeps the gang"
 
 
+BUILD_FAILS_ON_RANK_1 = """
+import os
+from megatron.core import parallel_state as ps
+
+real_initialize = ps.initialize_model_parallel
+calls = []
+
+def initialize_then_fail_once_on_rank_1(*args, **kwargs):
+    # as a build that fails late on one rank (out of memory, a group's backend): its peer's
+    # build succeeded
+    real_initialize(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == 1 and os.environ["RANK"] == "1":
+        raise RuntimeError("the layout's build failed on rank 1")
+
+ps.initialize_model_parallel = initialize_then_fail_once_on_rank_1
+"""
+
+BUILT_TWICE = """
+import pytest
+from megatron.core import parallel_state as ps
+
+@pytest.mark.world_size(2)
+@pytest.mark.megatron(tp=2)
+def test_first():
+    pass
+
+@pytest.mark.world_size(2)
+@pytest.mark.megatron(tp=2)
+def test_second():
+    assert ps.get_tensor_model_parallel_world_size() == 2
+"""
+
+
+@pytest.mark.parametrize("mode", ["serial", "torchrun"])
+def test_a_layout_build_that_fails_on_one_rank_is_built_again_on_all(pytester, run_pytest, mode):
+    """The layout's build failed on rank 1 only, so rank 0 holds a layout that rank 1 lacks:
+    the test errors, and the next test of that layout builds it again on both ranks (were it
+    kept on rank 0 only, rank 1's group creations would wait for it until the timeout)."""
+    pytester.makeconftest(BUILD_FAILS_ON_RANK_1)
+    pytester.makepyfile(test_built_twice=BUILT_TWICE)
+    if mode == "torchrun":
+        output = _torchrun_pytest(pytester, expect_rc=1)
+        assert "= 2 passed" in output and "= 1 passed" in output and " 1 error" in output, output
+    else:
+        result = run_pytest("--megatron-timeout", "30", "-rA")
+        result.assert_outcomes(passed=1, errors=1)
+        result.stdout.fnmatch_lines(["*the layout's build failed on rank 1*"])
+
+
 def test_malformed_layout_is_a_collection_error(pytester, run_pytest):
     pytester.makepyfile(
         """

@@ -9,12 +9,18 @@ from datetime import timedelta
 from typing import Any
 
 
-def meet(store: Any, key: str, world_size: int, failed: bool) -> bool:
-    """Wait until the `world_size` ranks have all reached `key` (unique per meeting); whether any
-    of them `failed`. Each rank says so before it arrives, so the last arrival's count is whole."""
+def meet(
+    store: Any, key: str, world_size: int, failed: bool, timeout: timedelta | None = None
+) -> bool:
+    """Wait until the `world_size` ranks have all reached `key` (unique per meeting), at most
+    `timeout` (default: the store's own); whether any of them `failed`. Each rank says so before
+    it arrives, so the last arrival's count is whole."""
     if failed:
         store.add(f"{key}/failed", 1)
     if store.add(key, 1) == world_size:
         store.set(f"{key}/all", "")
-    store.wait([f"{key}/all"], timedelta(days=1))  # the driver (or torchrun) bounds a hung peer
+    if timeout is None:
+        store.wait([f"{key}/all"])
+    else:
+        store.wait([f"{key}/all"], timeout)
     return store.add(f"{key}/failed", 0) > 0

@@ -45,6 +45,7 @@ class InProcessRank:
         # it says whether the test failed on any rank.
         self._finish_line = finish_line
         self._failed = False  # the running test raised here (in setup, call or teardown)
+        self._meet = False  # under torchrun: this test's ranks meet after it (see setup)
         self._meetings = 0  # under torchrun: agreements reached through the default store
         self._startup: Any = None
         self._module: str | None = None
@@ -62,12 +63,16 @@ class InProcessRank:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        self._failed = False  # not what a test the plugin leaves alone raised
+        # Under torchrun, whether the ranks meet after this test: from what they all share
+        # before it, not from what it leaves (a rank whose setup failed has no layout).
+        self._meet = self._layout is not None or LAYOUT in item.stash
         if self.applies(item) and not self.on_gang:
             self._enter_module(module_of(item.nodeid))
         with self._noting_failure():
             result = yield  # skip markers evaluated and fixtures set up: the test will run
-        if self.applies(item):
-            self._switch_layout(item)
+            if self.applies(item):
+                self._switch_layout(item)  # a build that fails on one rank fails the test
         return result
 
     @pytest.hookimpl(wrapper=True)
@@ -133,6 +138,8 @@ class InProcessRank:
 
         failed, self._failed = self._failed, False
         if self._poisoned:
+            if not self.on_gang:  # nothing retires this rank: its peers still meet
+                self._agree_failed(True)
             return
         if self._agree_failed(failed):
             self._layout = None  # a failed test may have left it half-changed: built again
@@ -145,13 +152,13 @@ class InProcessRank:
 
     def _agree_failed(self, failed: bool) -> bool:
         """Whether the test failed on any rank, the same answer on every rank (on a gang, at its
-        finish line). Under torchrun only a kept layout needs the answer: through the store of
-        torchrun's group, which the layout's tests joined."""
+        finish line). Under torchrun only a layout needs the answer: through the store of
+        torchrun's group, which the layout's tests joined, bounded by that store's timeout."""
         if self._finish_line is not None:
             return self._finish_line(failed)
         import torch.distributed as dist
 
-        if self._layout is None or not dist.is_initialized():
+        if not self._meet or not dist.is_initialized():
             return failed
         self._meetings += 1
         store = dist.distributed_c10d._get_default_store()

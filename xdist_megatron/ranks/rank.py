@@ -159,9 +159,8 @@ def finish_line(failed: bool) -> bool:
     rank_coverage.publish()  # a peer that hangs has the gang killed while this one waits here
     _send(AtFinishLine(_info.rank))  # a peer still running after this one failed is stuck
     _finish_lines += 1
-    return agreement.meet(
-        _store, f"xdist-megatron/finished/{_finish_lines}", _info.world_size, failed
-    )
+    key = f"xdist-megatron/finished/{_finish_lines}"
+    return agreement.meet(_store, key, _info.world_size, failed, timedelta(days=1))
 
 
 def _leave_process_group() -> None:
