@@ -75,6 +75,7 @@ INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
 RANK_SCRIPT = Path(__file__).with_name("torchrun_rank.py")  # what torchrun starts on each rank
 STREAM_PLUGIN = Path(__file__).with_name("stream_reports.py")
+COLLECTING_PLUGIN = "xm_bench_collected_ids"  # stream_reports, as collect_ids loads it
 MODES = ("torchrun", "serial", "xdist", "faults", "collect")  # collect: --collected only
 TIMED = MODES[:3]  # the modes --rounds repeats, with every xdist-kK
 SHARED_XDIST = re.compile(r"xdist-k([1-9][0-9]*)")  # xdist, K gangs per device
@@ -353,13 +354,14 @@ def collect(
 def collect_ids(command: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run a `--collect-only` command; its output, and the node ids it collected as
     `stream_reports` wrote them (the terminal's list changes form with a suite's verbosity).
-    Only that module goes on the path: bench/ holds names a suite may import (`coverage`)."""
+    Only that module goes on the path (bench/ holds names a suite may import: `coverage`), under
+    a name of its own: a suite's folder, first on `python -m`'s path, may hold an older copy."""
     with tempfile.TemporaryDirectory() as folder:
-        os.symlink(STREAM_PLUGIN, os.path.join(folder, STREAM_PLUGIN.name))
+        os.symlink(STREAM_PLUGIN, os.path.join(folder, f"{COLLECTING_PLUGIN}.py"))
         ids_file = os.path.join(folder, "ids")
         path = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "COLLECTED_IDS": ids_file}
-        out = subprocess.run([*command, "-p", STREAM_PLUGIN.stem], cwd=cwd, env=env,
+        out = subprocess.run([*command, "-p", COLLECTING_PLUGIN], cwd=cwd, env=env,
                              capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
         ids = Path(ids_file).read_text().splitlines() if os.path.exists(ids_file) else []
     return out, ids

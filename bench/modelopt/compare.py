@@ -100,8 +100,8 @@ def collect(suite: Path, targets: list[str], pytest_args: list[str]) -> dict:
         reasons[path] = lines[-1] if lines else "?"
     skipped = re.findall(r"^SKIPPED \[\d+\] (\S+): (.*)$", text, re.M)
     progress(f"collected {len(ids)} tests in {time.monotonic() - started:.1f} s")
-    if not ids:
-        progress(tail(text, 20))
+    if not ids:  # a part of nothing would run the whole suite
+        raise SystemExit(f"collection found no tests:\n{tail(text, 20)}")
     return {"ids": [real_suite.junit_key(nodeid) for nodeid in ids], "nodeids": ids,
             "per_module": dict(sorted(per_module.items())), "errors": reasons,
             "module_skips": skipped}  # fmt: skip
