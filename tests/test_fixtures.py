@@ -381,3 +381,28 @@ def test_the_pool_adapter_recipe_runs_pool_style_tests_on_gangs(pytester, run_py
     result = run_pytest("--megatron-devices", "cpu:4", "-rf")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*rank 1 of 2 fails*"])
+
+
+SPAWNING_FUNCTION = """
+import multiprocessing
+import pytest
+
+def queue_through_a_spawned_manager():
+    with multiprocessing.get_context("spawn").Manager() as manager:
+        queue = manager.Queue()
+        queue.put(7)
+        return queue.get()
+
+@pytest.mark.world_size(2)
+def test_a_function_starts_a_spawned_manager(gang):
+    assert gang.run(queue_through_a_spawned_manager) == [7, 7]
+"""
+
+
+def test_a_gang_function_can_spawn_children(pytester, run_pytest):
+    """Megatron's checkpoint save starts a `spawn` Manager on each rank (its results queue). In a
+    `gang.run` function its process died at start (EOFError): the rank had the driver's main
+    module under the name `__mp_main__`, which the child could not import. Seen on an H100 in
+    Model-Optimizer's suite: 19 checkpoint tests failed serially only."""
+    pytester.makepyfile(test_spawning=SPAWNING_FUNCTION)
+    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=1)

@@ -416,6 +416,9 @@ def _import_driver_main(path: str) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["__mp_main__"] = module
     spec.loader.exec_module(module)
+    # No spec, as in a spawned child: this rank's own spawned children then find the main
+    # module by its path (a spec named `__mp_main__` is one they cannot import).
+    module.__spec__ = None
     sys.modules["__main__"] = module
 
 
