@@ -63,7 +63,7 @@ class InProcessRank:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
-        self._failed = False  # not what a test the plugin leaves alone raised
+        self._failed = False  # each test starts unfailed, after one the plugin leaves alone too
         # Under torchrun, whether the ranks meet after this test: from what they all share
         # before it, not from what it leaves (a rank whose setup failed has no layout).
         self._meet = self._layout is not None or LAYOUT in item.stash
@@ -136,12 +136,11 @@ class InProcessRank:
         __tracebackhide__ = True
         from . import isolation
 
-        failed, self._failed = self._failed, False
         if self._poisoned:
             if not self.on_gang:  # nothing retires this rank: its peers still meet
                 self._agree_failed(True)
             return
-        if self._agree_failed(failed):
+        if self._agree_failed(self._failed):
             self._layout = None  # a failed test may have left it half-changed: built again
         isolation.cleanup_after_job(
             keep_groups=self.holdings.groups,
