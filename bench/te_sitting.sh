@@ -8,7 +8,9 @@
 #                                          and Megatron-LM's set-up, detached (no TE needed)
 #   (TE's calls, ../shared/te/README.md, the last one ending in:)
 #   bash bench/te_sitting.sh start [STEPS] the job, detached; STEPS comma-separated, default all:
-#                                          gpu-tests,mo-p2-serial,mo-p3,mo-p4,mega-rest
+#                                          gpu-tests,mo-p3-serial,mega-rest,mo-p3-own+xdist-k4,
+#                                          mo-p4 (mo-pK: Model-Optimizer's part K of 4 in every
+#                                          mode; mo-pK-M1+M2: in modes M1 and M2 only)
 #   bash bench/te_sitting.sh poll SECONDS  every later call: waits until the job ends or SECONDS
 #                                          pass, prints its step log, packs /tmp/sit into $OUT
 #
@@ -17,13 +19,13 @@
 # PYTHON (python3, the tests' interpreter) can be overridden for a CPU rehearsal of the mechanics.
 set -uo pipefail
 SIT=${SIT:-/tmp/sit}
-ALL=gpu-tests,mo-p2-serial,mo-p3,mo-p4,mega-rest
+ALL=gpu-tests,mo-p3-serial,mega-rest,mo-p3-own+xdist-k4,mo-p4
 
 note() { echo "== $(date +%T) $*" >>"$SIT/steps.log"; }
 
 megatron_rest() {  # the suite less te_files.txt, each mode its own run_whole.sh (its own junit)
     local mode cap
-    for mode_cap in torchrun:600 serial:500 xdist-k4:400; do
+    for mode_cap in torchrun:480 serial:420 xdist-k4:300; do
         mode=${mode_cap%:*} cap=${mode_cap#*:}
         note "mega-rest $mode"
         mkdir -p "$SIT/out/mega-rest-$mode"
@@ -46,9 +48,9 @@ run_step() {
             PYTEST_PLUGINS=xdist_megatron.plugin PYTHONPATH=/tmp/site:$PWD timeout 300 \
                 ${PYTHON:-python3} -m pytest tests/test_gpu.py -k gang_function_faults -rA -p no:cacheprovider \
                 >"$SIT/out/gpu-tests.log" 2>&1 ;;
-        mo-p2-serial) modelopt mo-p2-serial serial 200 2/4 ;;
-        mo-p3) modelopt mo-p3 own,serial,xdist-k4 280 3/4 ;;
-        mo-p4) modelopt mo-p4 own,serial,xdist-k4 280 4/4 ;;
+        mo-p[1-4]) modelopt "$1" own,serial,xdist-k4 280 "${1#mo-p}/4" ;;
+        mo-p[1-4]-*)  # some modes of a part, `+`-separated: mo-p3-serial, mo-p3-own+xdist-k4
+            local part=${1#mo-p}; modelopt "$1" "$(tr + , <<<"${part#*-}")" 280 "${part%%-*}/4" ;;
         mega-rest) megatron_rest ;;
         *) echo "unknown step $1"; return 2 ;;
     esac
@@ -87,5 +89,5 @@ case ${1:-} in
         while [[ ! -f $SIT/done ]] && (($(date +%s) < deadline)); do sleep 5; done
         cat "$SIT/steps.log" 2>/dev/null
         tar czf "$OUT/sitting.tgz" -C "$SIT" . ;;
-    *) sed -n '2,17p' "$0"; exit 2 ;;
+    *) sed -n '2,19p' "$0"; exit 2 ;;
 esac
