@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -14,6 +15,16 @@ import torch  # noqa: F401 - see below
 # torch's C extension cannot be initialised twice in one process (a later `import torch` there
 # fails with "SystemError: ... bad call flags"). Runs of a few test files under -n hit it.
 pytest_plugins = ["pytester"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C must reach the runs this suite starts, as it does from a terminal. A launcher
+    without job control (`bash .ci/run &` in a script) starts the suite with SIGINT ignored, its
+    runs inherit that, and every interrupt test then fails with nothing interrupted. A handled
+    signal is reset to the default in a child, an ignored one is not: so handle it here."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 TAG_VAR = "XDIST_MEGATRON_TEST_TAG"
 TORCHRUN_VARS = {
