@@ -178,6 +178,51 @@ def test_module_boundary_restores_startup_state(pytester, run_pytest, facts_dir,
         assert restored[rank]["megatron"] is False, "megatron parallel state leaked into module B"
 
 
+# As Megatron-LM's MoEModelTestContainer: a finalizer that tears down global state. Each test leaves
+# one in a reference cycle, the first also in the traceback pytest keeps of the last failure.
+CYCLES_MODULE = """
+import os
+import pytest
+from facts import record
+
+finalized = []
+
+class Container:
+    def __init__(self, fail):
+        self.me = self  # only the garbage collector ends it
+        if fail:
+            raise RuntimeError("world_size (2) is not divisible by 8")
+
+    def __del__(self):
+        finalized.append(os.getpid())
+
+@pytest.mark.world_size(2)
+def test_fails_leaving_a_cycle(rank):
+    Container(fail=True)
+
+@pytest.mark.world_size(2)
+def test_passes_leaving_a_cycle(rank):
+    Container(fail=False)
+
+@pytest.mark.world_size(2)
+def test_starts_after_both_ended(rank):
+    record("next", rank=rank, finalized=len(finalized))
+"""
+
+
+def test_what_a_test_left_in_cycles_ends_before_the_next_test(pytester, run_pytest, facts_dir):
+    """Garbage a test leaves (in reference cycles, or held by the last failure's traceback) is
+    collected after that test, so its finalizers cannot run inside a later one. Megatron-LM's
+    MoE dispatcher tests failed so under the plugin: a finalizer reset the parallel state of
+    the test that happened to trigger the garbage collector."""
+    pytester.makepyfile(test_cycles=CYCLES_MODULE)
+    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=2, failed=1)
+    assert {rank: fact["finalized"] for rank, fact in read_facts(facts_dir, "next").items()} == {
+        0: 2,
+        1: 2,
+    }
+
+
 CRASH_LATER_MODULE = """
 import os, threading
 import pytest

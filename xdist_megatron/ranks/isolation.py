@@ -111,6 +111,11 @@ def cleanup_after_job(
     __tracebackhide__ = True
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in its own test
+    _forget_the_last_failure()
+    # What the test left in reference cycles ends here, not at a gc run inside a later test: a
+    # finalizer that tears down global state (Megatron-LM's MoEModelTestContainer.__del__ calls
+    # destroy_model_parallel) would otherwise break whichever test it lands in.
+    gc.collect()
     if not keep_libraries:
         _teardown_transformer_engine()
         _teardown_megatron(keep_parallel_state=keep_megatron)
@@ -119,6 +124,14 @@ def cleanup_after_job(
         gc.collect()  # finalizers of destroyed groups must run before the next job starts
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _forget_the_last_failure() -> None:
+    """pytest keeps a failed test's exception in sys.last_* (for post-mortem debugging) until the
+    next failure: its frames would keep the test's objects, tensors included, alive."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 # Destroying a process group costs ~10 ms (its threads are joined; NCCL frees its communicator),

@@ -136,11 +136,7 @@ class RankSession:
                 items = self._collect_module(Path(module_path))
             self._items.update((item.nodeid, item) for item in items)
             # The module and what it imported live as long as the rank: keep them out of the
-            # collections that the cleanup after each test runs (but not the last failure's
-            # traceback, whose frames hold a test's tensors).
-            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-                if hasattr(sys, name):
-                    delattr(sys, name)
+            # collections that the cleanup after each test runs.
             gc.collect()
             gc.freeze()
         return self._items.get(nodeid)
