@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -93,6 +95,16 @@ def assert_no_processes_left(tag: str, within: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"processes left behind: {left}")
         time.sleep(0.1)
+
+
+def torchrun_pytest(pytester: pytest.Pytester, expect_rc: int) -> str:
+    """`torchrun --nproc-per-node 2 -m pytest` on pytester's folder; both ranks' output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "pytest", "-p", "no:cacheprovider", "-rs", str(pytester.path)]  # fmt: skip
+    done = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == expect_rc, output
+    return output
 
 
 @pytest.fixture

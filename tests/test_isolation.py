@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_no_processes_left, torchrun_pytest
 
 FACTS_MODULE = """
 import json, os
@@ -210,17 +211,22 @@ def test_starts_after_both_ended(rank):
 """
 
 
-def test_what_a_test_left_in_cycles_ends_before_the_next_test(pytester, run_pytest, facts_dir):
+@pytest.mark.parametrize("launch", ["gang", "torchrun"])
+def test_what_a_test_left_in_cycles_ends_before_the_next_test(
+    pytester, run_pytest, facts_dir, tag, launch
+):
     """Garbage a test leaves (in reference cycles, or held by the last failure's traceback) is
     collected after that test, so its finalizers cannot run inside a later one. Megatron-LM's
     MoE dispatcher tests failed so under the plugin: a finalizer reset the parallel state of
     the test that happened to trigger the garbage collector."""
     pytester.makepyfile(test_cycles=CYCLES_MODULE)
-    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=2, failed=1)
-    assert {rank: fact["finalized"] for rank, fact in read_facts(facts_dir, "next").items()} == {
-        0: 2,
-        1: 2,
-    }
+    if launch == "gang":
+        run_pytest("--megatron-timeout", "60").assert_outcomes(passed=2, failed=1)
+    else:
+        assert torchrun_pytest(pytester, expect_rc=1).count("1 failed, 2 passed") == 2
+        assert_no_processes_left(tag)
+    finalized = {rank: fact["finalized"] for rank, fact in read_facts(facts_dir, "next").items()}
+    assert finalized == {0: 2, 1: 2}
 
 
 CRASH_LATER_MODULE = """

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import assert_no_processes_left
+from conftest import assert_no_processes_left, torchrun_pytest
 
 pytest.importorskip("megatron.core")
 
@@ -107,7 +105,7 @@ def test_a_failed_test_does_not_hand_its_layout_on(
     monkeypatch.setenv("FACTS", str(tmp_path))
     pytester.makepyfile(test_fails=FAILING_LAYOUT_SUITE)
     if mode == "torchrun":
-        output = _torchrun_pytest(pytester, expect_rc=1)
+        output = torchrun_pytest(pytester, expect_rc=1)
         assert "2 passed" in output and "1 failed, 1 passed" in output, output
         assert_no_processes_left(tag)
     else:
@@ -162,7 +160,7 @@ def test_a_layout_build_that_fails_on_one_rank_is_built_again_on_all(pytester, r
     pytester.makeconftest(BUILD_FAILS_ON_RANK_1)
     pytester.makepyfile(test_built_twice=BUILT_TWICE)
     if mode == "torchrun":
-        output = _torchrun_pytest(pytester, expect_rc=1)
+        output = torchrun_pytest(pytester, expect_rc=1)
         assert "= 2 passed" in output and "= 1 passed" in output and " 1 error" in output, output
     else:
         result = run_pytest("--megatron-timeout", "30", "-rA")
@@ -228,17 +226,7 @@ def test_torchrun_passthrough(pytester, tag):
     """Under `torchrun -m pytest` marked tests run in-process on each torchrun rank; sizes that
     differ from WORLD_SIZE are skipped; no gang is started."""
     pytester.makepyfile(test_torchrun_suite=TORCHRUN_SUITE)
-    output = _torchrun_pytest(pytester, expect_rc=0)
+    output = torchrun_pytest(pytester, expect_rc=0)
     assert output.count("4 passed, 1 skipped") == 2, output
     assert "needs world size 1, torchrun started 2" in output
     assert_no_processes_left(tag)
-
-
-def _torchrun_pytest(pytester: pytest.Pytester, expect_rc: int) -> str:
-    """`torchrun --nproc-per-node 2 -m pytest` on pytester's folder; both ranks' output."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-               "pytest", "-p", "no:cacheprovider", "-rs", str(pytester.path)]  # fmt: skip
-    done = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == expect_rc, output
-    return output
