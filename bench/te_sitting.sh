@@ -10,7 +10,8 @@
 #   bash bench/te_sitting.sh start [STEPS] the job, detached; STEPS comma-separated, default all:
 #                                          gpu-tests,mo-p3-serial,mega-rest,mo-p3-own+xdist-k4,
 #                                          mo-p4 (mo-pK: Model-Optimizer's part K of 4 in every
-#                                          mode; mo-pK-M1+M2: in modes M1 and M2 only)
+#                                          mode; mo-pK-M1+M2: in modes M1 and M2 only;
+#                                          mega-rest-M1+M2 likewise)
 #   bash bench/te_sitting.sh poll SECONDS  every later call: waits until the job ends or SECONDS
 #                                          pass, prints its step log, packs /tmp/sit into $OUT
 #
@@ -23,10 +24,10 @@ ALL=gpu-tests,mo-p3-serial,mega-rest,mo-p3-own+xdist-k4,mo-p4
 
 note() { echo "== $(date +%T) $*" >>"$SIT/steps.log"; }
 
-megatron_rest() {  # the suite less te_files.txt, each mode its own run_whole.sh (its own junit)
+megatron_rest() {  # MODES: the suite less te_files.txt, each mode its own run_whole.sh (junit)
     local mode cap
-    for mode_cap in torchrun:480 serial:420 xdist-k4:300; do
-        mode=${mode_cap%:*} cap=${mode_cap#*:}
+    for mode in ${1//,/ }; do
+        case $mode in torchrun) cap=480 ;; serial) cap=420 ;; *) cap=300 ;; esac
         note "mega-rest $mode"
         mkdir -p "$SIT/out/mega-rest-$mode"
         PYTHONPATH=/tmp/site OUT=$SIT/out/mega-rest-$mode EXCEPT=te_files.txt \
@@ -51,7 +52,8 @@ run_step() {
         mo-p[1-4]) modelopt "$1" own,serial,xdist-k4 280 "${1#mo-p}/4" ;;
         mo-p[1-4]-*)  # some modes of a part, `+`-separated: mo-p3-serial, mo-p3-own+xdist-k4
             local part=${1#mo-p}; modelopt "$1" "$(tr + , <<<"${part#*-}")" 280 "${part%%-*}/4" ;;
-        mega-rest) megatron_rest ;;
+        mega-rest) megatron_rest torchrun,serial,xdist-k4 ;;
+        mega-rest-*) megatron_rest "$(tr + , <<<"${1#mega-rest-}")" ;;  # mega-rest-serial+xdist-k4
         *) echo "unknown step $1"; return 2 ;;
     esac
 }
