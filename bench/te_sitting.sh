@@ -11,7 +11,8 @@
 #                                          gpu-tests,mo-p3-serial,mega-rest,mo-p3-own+xdist-k4,
 #                                          mo-p4 (mo-pK: Model-Optimizer's part K of 4 in every
 #                                          mode; mo-pK-M1+M2: in modes M1 and M2 only;
-#                                          mega-rest-M1+M2 likewise)
+#                                          mega-rest-M1+M2 likewise; gang-start: warm starts
+#                                          with and without megatron.core, alternating)
 #   bash bench/te_sitting.sh poll SECONDS  every later call: waits until the job ends or SECONDS
 #                                          pass, prints its step log, packs /tmp/sit into $OUT
 #
@@ -52,6 +53,12 @@ run_step() {
         mo-p[1-4]) modelopt "$1" own,serial,xdist-k4 280 "${1#mo-p}/4" ;;
         mo-p[1-4]-*)  # some modes of a part, `+`-separated: mo-p3-serial, mo-p3-own+xdist-k4
             local part=${1#mo-p}; modelopt "$1" "$(tr + , <<<"${part#*-}")" 280 "${part%%-*}/4" ;;
+        gang-start)  # warm starts with and without megatron.core preloaded, side by side
+            for flag in --with-megatron --no-megatron --with-megatron --no-megatron; do
+                PYTHONPATH=/tmp/site:$PWD:$PWD/bench timeout 150 ${PYTHON:-python3} bench/gang_start.py \
+                    --quick --sizes 1 --repeats 10 --tests 20 ${flag/--with-megatron/} \
+                    >>"$SIT/out/gang-start$flag.log" 2>&1
+            done ;;
         mega-rest) megatron_rest torchrun,serial,xdist-k4 ;;
         mega-rest-*) megatron_rest "$(tr + , <<<"${1#mega-rest-}")" ;;  # mega-rest-serial+xdist-k4
         *) echo "unknown step $1"; return 2 ;;
