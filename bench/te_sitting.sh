@@ -26,15 +26,20 @@ ALL=gpu-tests,mo-p3-serial,mega-rest,mo-p3-own+xdist-k4,mo-p4
 note() { echo "== $(date +%T) $*" >>"$SIT/steps.log"; }
 
 megatron_rest() {  # MODES: the suite less te_files.txt, each mode its own run_whole.sh (junit)
-    local mode cap
+    local mode cap extra
     for mode in ${1//,/ }; do
-        case $mode in torchrun) cap=480 ;; serial) cap=420 ;; *) cap=300 ;; esac
+        case $mode in torchrun) cap=480 ;; serial*) cap=420 ;; *) cap=300 ;; esac
+        extra=(); [[ $mode == serial-steps ]] && extra=(--plugin-args="-p step_times")
         note "mega-rest $mode"
         mkdir -p "$SIT/out/mega-rest-$mode"
-        PYTHONPATH=/tmp/site OUT=$SIT/out/mega-rest-$mode EXCEPT=te_files.txt \
-            timeout $((cap + 150)) bash bench/out/megatron_full/run_whole.sh "rest-$mode" "$mode" \
-            --cap "$cap" >"$SIT/out/mega-rest-$mode.log" 2>&1
+        # serial-steps: serially, with the per-step timers of step_times.py (gc.collect included)
+        STEP_TIMES_DIR=$SIT/out/mega-rest-$mode/steps PYTHONPATH=/tmp/site \
+            OUT=$SIT/out/mega-rest-$mode EXCEPT=te_files.txt timeout $((cap + 150)) \
+            bash bench/out/megatron_full/run_whole.sh "rest-$mode" "${mode%-steps}" --cap "$cap" \
+            "${extra[@]}" >"$SIT/out/mega-rest-$mode.log" 2>&1
         note "mega-rest $mode: exit $?"
+        [[ -d $SIT/out/mega-rest-$mode/steps ]] && ${PYTHON:-python3} bench/megatron_lm/step_times.py \
+            "$SIT/out/mega-rest-$mode/steps" >"$SIT/out/mega-rest-$mode/steps.txt"
     done
 }
 

@@ -74,6 +74,7 @@ def install() -> None:
     _timed(rank_session.RankSession, "run", "rank: test protocol")
     _timed(rank_session.RankSession, "_collect_module", "rank: collect module")
     _timed(isolation, "cleanup_after_job", "rank: cleanup")
+    _timed(isolation.gc, "collect", "gc.collect, any caller")
     _timed(isolation, "_teardown_megatron", "rank: megatron reset")
     _timed(isolation, "_destroy_process_groups", "rank: destroy groups")
     _timed(inprocess.InProcessRank, "reset", "rank: state reset")
