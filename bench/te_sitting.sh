@@ -40,8 +40,10 @@ megatron_rest() {  # MODES: the suite less te_files.txt, each mode its own run_w
             bash bench/out/megatron_full/run_whole.sh "rest-$mode" "${mode%-steps}" --cap "$cap" \
             "${extra[@]}" >"$SIT/out/mega-rest-$mode.log" 2>&1
         note "mega-rest $mode: exit $?"
-        [[ -d $SIT/out/mega-rest-$mode/steps ]] && ${PYTHON:-python3} bench/megatron_lm/step_times.py \
-            "$SIT/out/mega-rest-$mode/steps" >"$SIT/out/mega-rest-$mode/steps.txt"
+        if [[ -d $SIT/out/mega-rest-$mode/steps ]]; then
+            ${PYTHON:-python3} bench/megatron_lm/step_times.py "$SIT/out/mega-rest-$mode/steps" \
+                >"$SIT/out/mega-rest-$mode/steps.txt"
+        fi
     done
 }
 
@@ -61,10 +63,9 @@ run_step() {
         mo-p[1-4]-*)  # some modes of a part, `+`-separated: mo-p3-serial, mo-p3-own+xdist-k4
             local part=${1#mo-p}; modelopt "$1" "$(tr + , <<<"${part#*-}")" 280 "${part%%-*}/4" ;;
         gang-start)  # warm starts with and without megatron.core preloaded, side by side
-            for flag in --with-megatron --no-megatron --with-megatron --no-megatron; do
+            for flag in "" --no-megatron "" --no-megatron; do
                 PYTHONPATH=/tmp/site:$PWD:$PWD/bench timeout 150 ${PYTHON:-python3} bench/gang_start.py \
-                    --quick --sizes 1 --repeats 10 --tests 20 ${flag/--with-megatron/} \
-                    >>"$SIT/out/gang-start$flag.log" 2>&1
+                    --quick --sizes 1 --repeats 10 --tests 20 $flag >>"$SIT/out/gang-start$flag.log" 2>&1
             done ;;
         mega-rest) megatron_rest torchrun,serial,xdist-k4 ;;
         mega-rest-*) megatron_rest "$(tr + , <<<"${1#mega-rest-}")" ;;  # mega-rest-serial+xdist-k4
