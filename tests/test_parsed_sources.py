@@ -1,8 +1,10 @@
-"""Failure reports parse each source text once per process (parsed_sources.py), and say what
-they said before: in the driver and on the ranks of a gang, end to end."""
+"""Failure reports parse each source text once per process where their lines repeat
+(parsed_sources.py), say what they said before, and leave no tree behind for the ranks' per-test
+garbage collection to scan: in the driver and on the ranks of a gang, end to end."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -95,8 +97,51 @@ def test_each_source_text_is_parsed_once_per_process(pytester, run_pytest, monke
     assert max(count for values in counts.values() for count in values) > 1  # pytest alone
 
 
-def test_one_tree_per_text_installed_once_and_undone(monkeypatch) -> None:
-    """Two sources of one text share a tree; a second session in the process (pytester's
+# Counts the syntax trees alive on a rank when each test starts, after the last test's cleanup.
+TREES_CONFTEST = """
+import ast
+import gc
+import json
+import os
+
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.excinfo is not None:
+        str(report.longrepr)  # formatted here, as the rank does before sending it
+    return report
+
+
+def pytest_runtest_setup(item):
+    gc.collect()
+    trees = sum(isinstance(thing, ast.AST) for thing in gc.get_objects())
+    with open(os.path.join(os.environ["TREES_DIR"], f"{os.getpid()}.txt"), "a") as file:
+        file.write(f"{trees}\\n")
+"""
+
+
+def test_failure_reports_leave_no_tree_for_the_collector(pytester, run_pytest, monkeypatch) -> None:
+    """Four failures through one helper on a gang of 2: what a rank keeps of the parsed sources
+    is no syntax tree (tens of thousands of objects for a large file, which the collection after
+    every test would scan again), so no tree is alive when the next test starts."""
+    trees = pytester.mkdir("trees")
+    monkeypatch.setenv("TREES_DIR", str(trees))
+    pytester.makeconftest(TREES_CONFTEST)
+    pytester.makepyfile(
+        helper=HELPER, test_gang=FAILING.format(mark="pytestmark = pytest.mark.world_size(2)")
+    )
+    run_pytest("--tb=long", "--megatron-timeout", "60").assert_outcomes(failed=4)
+    counts = {path.stem: path.read_text().split() for path in trees.iterdir()}
+    assert len(counts) == 2, counts  # the two ranks
+    assert all(count == "0" for values in counts.values() for count in values), counts
+
+
+def test_ranges_reused_installed_once_and_undone(monkeypatch) -> None:
+    """A line looked up before is answered without a parse, whatever Source holds the text; a new
+    line of the same text gets pytest's own answer; a second session in the process (pytester's
     in-process runs) installs nothing more; undoing gives pytest its own function back."""
     import _pytest._code.code as pytest_code
     import _pytest._code.source as pytest_source
@@ -108,10 +153,17 @@ def test_one_tree_per_text_installed_once_and_undone(monkeypatch) -> None:
     for module in parsed_sources.MODULES:  # as before any session installed it
         monkeypatch.setattr(module, "getstatementrange_ast", getstatementrange_ast)
     undo = parsed_sources.install()
-    assert undo is not None and pytest_code.getstatementrange_ast.reuses_trees
+    assert undo is not None and pytest_code.getstatementrange_ast.reuses_ranges
     tree, start, end = pytest_code.getstatementrange_ast(5, Source(HELPER))
-    assert pytest_code.getstatementrange_ast(3, Source(HELPER))[0] is tree
+    assert isinstance(tree, ast.Module) and tree is not parsed_sources.NO_TREE
     assert (start, end) == getstatementrange_ast(5, Source(HELPER))[1:]
+    again = pytest_code.getstatementrange_ast(5, Source(HELPER))
+    assert again == (parsed_sources.NO_TREE, start, end)  # no parse
+    assert pytest_code.getstatementrange_ast(5, Source(HELPER), astnode=tree)[0] is tree
+    # New lines: with the stand-in that pytest hands back within a traceback, and with nothing
+    for lineno, astnode in ((3, parsed_sources.NO_TREE), (4, None)):
+        found = pytest_code.getstatementrange_ast(lineno, Source(HELPER), astnode=astnode)
+        assert found[1:] == getstatementrange_ast(lineno, Source(HELPER))[1:]
     assert parsed_sources.install() is None
     undo()
     assert pytest_code.getstatementrange_ast is getstatementrange_ast
