@@ -101,7 +101,6 @@ def test_each_source_text_is_parsed_once_per_process(pytester, run_pytest, monke
 TREES_CONFTEST = """
 import ast
 import gc
-import json
 import os
 
 import pytest
