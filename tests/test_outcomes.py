@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -339,3 +340,64 @@ def test_hangs_on_rank_1():
     result = run_pytest("-rA")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*rank 1 timed out after 3 s*"])
+
+
+STAMPS_CONFTEST = """
+import json
+import os
+import time
+
+def pytest_sessionstart(session):
+    session.config.stamps_from = time.time()
+
+def pytest_runtest_logreport(report):
+    if "RANK" not in os.environ:  # the driver's reports, not the ranks' own
+        with open("stamps.jsonl", "a") as file:
+            stamps = [report.nodeid, report.when, report.start, report.stop, report.outcome]
+            file.write(json.dumps(stamps) + "\\n")
+
+def pytest_sessionfinish(session):
+    if "RANK" not in os.environ:
+        with open("session.json", "w") as file:
+            json.dump([session.config.stamps_from, time.time()], file)
+"""
+
+STAMPS_SUITE = """
+import os
+import time
+
+import pytest
+
+def test_local():
+    time.sleep(0.1)
+
+@pytest.mark.world_size(2)
+def test_sleeps():
+    time.sleep(0.3)
+
+@pytest.mark.world_size(2)
+def test_rank_1_exits(rank):
+    if rank == 1:
+        os._exit(3)
+"""
+
+
+def test_reports_say_when_each_phase_ran_as_local_ones_do(pytester, run_pytest):
+    """A gang's reports carry `start` and `stop` as pytest's runner stamps a local test's (report
+    logs and timelines read them; they were 0): the ranks' earliest start and latest stop, and
+    for what the driver reports itself (a rank that died) when it saw it."""
+    pytester.makeconftest(STAMPS_CONFTEST)
+    pytester.makepyfile(test_stamps=STAMPS_SUITE)
+    run_pytest().assert_outcomes(passed=2, failed=1)
+    began, ended = json.loads((pytester.path / "session.json").read_text())
+    phases: dict[str, dict[str, tuple[float, float]]] = {}
+    for line in (pytester.path / "stamps.jsonl").read_text().splitlines():
+        nodeid, when, start, stop, _ = json.loads(line)
+        assert began <= start <= stop <= ended, (nodeid, when, start, stop, began, ended)
+        phases.setdefault(nodeid.split("::")[-1], {})[when] = (start, stop)
+    assert set(phases) == {"test_local", "test_sleeps", "test_rank_1_exits"}
+    for name, by_phase in phases.items():
+        setup, call, teardown = by_phase["setup"], by_phase["call"], by_phase["teardown"]
+        assert setup[0] <= call[0] <= call[1] <= teardown[1], (name, by_phase)
+    start, stop = phases["test_sleeps"]["call"]
+    assert stop - start >= 0.3

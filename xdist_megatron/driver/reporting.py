@@ -9,6 +9,7 @@ checks after its test) joins its reports as a failure of the phase it was in.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -129,6 +130,7 @@ def _add_rank_failure(
     if earlier is not None:
         report.sections = earlier.sections
         report.duration = max(earlier.duration, result.duration)
+    report.start = report.stop - report.duration
     reports[when] = report
 
 
@@ -169,6 +171,8 @@ def _merge_phase(
         merged = _report(item, when, "failed", RankFailuresRepr(headline, [], _location(item)))
     merged.sections = sections
     merged.duration = max(phase[r].duration for r in ranks)
+    merged.start = min(phase[r].start for r in ranks)  # as a local report's, from the ranks'
+    merged.stop = max(phase[r].stop for r in ranks)
     merged.keywords = first.keywords
     merged.user_properties = first.user_properties
     return merged
@@ -194,9 +198,13 @@ def _location(item: pytest.Item) -> tuple[str, int]:
 
 
 def _report(item: pytest.Item, when: str, outcome: str, longrepr: Any) -> pytest.TestReport:
-    return pytest.TestReport(
+    """A report the driver makes, stamped now (`start` and `stop`, as pytest's runner stamps
+    its own: report logs and timelines read them)."""
+    report = pytest.TestReport(
         item.nodeid, item.location, {}, outcome, longrepr, when, sections=[], duration=0.0
     )
+    report.start = report.stop = time.time()
+    return report
 
 
 def _outcome_words(report: pytest.TestReport) -> str:
