@@ -25,8 +25,10 @@ per round, its median, and the median's ratio to torchrun's.
 Per run it prints the wall time, the peak GPU memory in use (every visible GPU, sampled each
 second by nvidia-smi, where it exists), the sum of the tests' junit times, the outcome counts and
 the tests that got no report (`lost`: collected by `pytest --collect-only`, absent from the run's
-junit), then every test whose outcome differs between the runs. A torchrun run that dies writes no
-junit; its rank 0's reports, streamed as they happen, are used instead (source `stream`).
+junit), then every test whose outcome differs between the runs. A run killed at its cap writes no
+junit; the reports it streamed as they happened (torchrun's rank 0, the plugin's driver) are used
+instead (source `stream`), and a table says how long each run took to finish the tests that every
+run finished: the side-by-side figure when a cap or a lost machine cut some of them short.
 
 Example (Megatron-LM's subset, from bench/out/megatron_lm, see its setup_device.sh):
   python ../../real_suite.py tests/unit_tests --nproc 2 --json ../megatron_lm.json
@@ -75,7 +77,7 @@ INFO = machine()  # at import, before the runs: the load they start under
 PLUGIN = "xdist_megatron.plugin"  # the pytest11 entry point's name (pyproject.toml)
 RANK_SCRIPT = Path(__file__).with_name("torchrun_rank.py")  # what torchrun starts on each rank
 STREAM_PLUGIN = Path(__file__).with_name("stream_reports.py")
-COLLECTING_PLUGIN = "xm_bench_collected_ids"  # stream_reports, as collect_ids loads it
+REPORTS_PLUGIN = "xm_bench_reports"  # stream_reports, under a name no suite's folder holds
 MODES = ("torchrun", "serial", "xdist", "faults", "collect")  # collect: --collected only
 TIMED = MODES[:3]  # the modes --rounds repeats, with every xdist-kK
 SHARED_XDIST = re.compile(r"xdist-k([1-9][0-9]*)")  # xdist, K gangs per device
@@ -154,6 +156,7 @@ class Run:
     source: str = "none"  # junit, stream (rank 0's streamed reports) or none
     expected: list[str] = field(default_factory=list)
     tests: dict[str, TestResult] = field(default_factory=dict)
+    finished: dict[str, float] = field(default_factory=dict)  # key: when its last report ended
     log: str = ""
     env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
 
@@ -353,18 +356,25 @@ def collect(
 
 def collect_ids(command: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run a `--collect-only` command; its output, and the node ids it collected as
-    `stream_reports` wrote them (the terminal's list changes form with a suite's verbosity).
-    Only that module goes on the path (bench/ holds names a suite may import: `coverage`), under
-    a name of its own: a suite's folder, first on `python -m`'s path, may hold an older copy."""
+    `stream_reports` wrote them (the terminal's list changes form with a suite's verbosity)."""
     with tempfile.TemporaryDirectory() as folder:
-        os.symlink(STREAM_PLUGIN, os.path.join(folder, f"{COLLECTING_PLUGIN}.py"))
         ids_file = os.path.join(folder, "ids")
-        path = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "COLLECTED_IDS": ids_file}
-        out = subprocess.run([*command, "-p", COLLECTING_PLUGIN], cwd=cwd, env=env,
+        env = {**os.environ, "PYTHONPATH": reports_plugin_path(Path(folder)),
+               "COLLECTED_IDS": ids_file}  # fmt: skip
+        out = subprocess.run([*command, "-p", REPORTS_PLUGIN], cwd=cwd, env=env,
                              capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
         ids = Path(ids_file).read_text().splitlines() if os.path.exists(ids_file) else []
     return out, ids
+
+
+def reports_plugin_path(folder: Path) -> str:
+    """PYTHONPATH with `folder` first, holding stream_reports.py as REPORTS_PLUGIN: only that
+    module goes on the path (bench/ holds names a suite may import: `coverage`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / f"{REPORTS_PLUGIN}.py"
+    if not link.exists():
+        os.symlink(STREAM_PLUGIN, link)
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
 
 
 # -- reading results ------------------------------------------------------------------------------
@@ -438,15 +448,27 @@ def stream_outcome(reports: list[dict]) -> str:
     return "passed"
 
 
-def read_results(run: Run, junit: Path, stream: Path | None) -> None:
-    """The run's junit if it wrote one, else rank 0's streamed reports (torchrun only)."""
+def finish_times(path: Path) -> dict[str, float]:
+    """When each test whose teardown reported ended (epoch seconds), from a stream's stamps."""
+    stops: dict[str, list[float]] = {}
+    torn_down = set()
+    for report in stream_reports(path):
+        stops.setdefault(report["nodeid"], []).append(report.get("stop") or 0.0)
+        if report["when"] == "teardown":
+            torn_down.add(report["nodeid"])
+    return {junit_key(nodeid): max(stops[nodeid]) for nodeid in torn_down}
+
+
+def read_results(run: Run, junit: Path, stream: Path) -> None:
+    """The run's junit if it wrote one, else the reports it streamed; when each test ended."""
+    run.finished = finish_times(stream)
     if junit.exists():
         try:
             run.tests, run.source = parse_junit(junit), "junit"
             return
         except ET.ParseError:
             progress(f"{run.name}: unreadable junit {junit}")
-    if stream is not None and stream.exists():
+    if stream.exists():
         run.tests, run.source = parse_stream(stream), "stream"
 
 
@@ -486,12 +508,15 @@ def run_plugin(plan: Plan, name: str, testdir: str, extra: list[str], expected: 
     options += [*extra, *plan.plugin_args]
     options += plan.pytest_args
     timeline = plan.out / f"{name}-report.json"
-    options.append(f"--megatron-report={timeline}")
+    options += [f"--megatron-report={timeline}", "-p", REPORTS_PLUGIN]
+    stream = plan.out / f"{name}.jsonl"
+    stream.unlink(missing_ok=True)  # StreamReports appends
+    env = {"PYTHONPATH": reports_plugin_path(plan.out / "plugins"), "STREAM_REPORTS": str(stream)}
     run = Run(name, pytest_command(testdir, junit, options), expected=expected,
-              log=str(plan.out / f"{name}.log"))  # fmt: skip
+              log=str(plan.out / f"{name}.log"), env=env)  # fmt: skip
     execute(run, plan.cwd, plan.cap)
-    read_results(run, junit, None)
-    run.phases = phases(run, report_spans(timeline))
+    read_results(run, junit, stream)
+    run.phases = phases(run, report_spans(timeline) or stream_spans(stream))
     return run
 
 
@@ -649,6 +674,23 @@ def rounds_table(runs: list[Run]) -> str:
     return table(headers, rows)
 
 
+def shared_progress_table(runs: list[Run]) -> str:
+    """How long each run took, from its launch, to finish the tests that every run finished
+    (when their last report ended), against the first run's: a fair ratio even when a cap cut
+    some runs short. Empty where a run streamed no stamps or no test finished in every run."""
+    if not all(run.finished for run in runs):
+        return ""
+    shared = set.intersection(*(set(run.finished) for run in runs))
+    if not shared:
+        return ""
+    took = [max(run.finished[key] for key in shared) - run.launched for run in runs]
+    rows = [[run.name, f"{seconds:.1f}", f"{took[0] / seconds:.2f}"]
+            for run, seconds in zip(runs, took, strict=True)]  # fmt: skip
+    expected = len(runs[0].expected) or len(shared)
+    title = f"to the {len(shared)} tests (of {expected}) that every run finished"
+    return f"{title}\n" + table(["run", "s from launch", f"x {runs[0].name}"], rows)
+
+
 def differences(runs: list[Run]) -> list[str]:
     """Keys whose outcome is not the same in every run (a missing report counts as 'lost')."""
     keys = dict.fromkeys(key for run in runs for key in [*run.expected, *run.tests])
@@ -684,6 +726,8 @@ def report(runs: list[Run], limit: int) -> None:
     }
     for title, group in groups.items():
         if len(group) > 1:
+            if shared := shared_progress_table(group):
+                print(f"\n{shared}")
             print(f"\n{title} ({', '.join(run.name for run in group)})")
             print(differences_table(group, limit))
 

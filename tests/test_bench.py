@@ -290,6 +290,38 @@ def test_real_suite_torchrun_ranks_can_spawn_children(plain_shell: Path) -> None
     assert pstats.Stats(str(plain_shell / "collect.prof")).total_calls > 0  # the collect-only's
 
 
+CUT_SHORT_SUITE = """
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_quick(index):
+    assert index != 1
+
+
+def test_past_the_cap():
+    time.sleep(120)
+"""
+
+
+def test_real_suite_runs_cut_at_their_cap_still_compare(plain_shell: Path) -> None:
+    """Runs killed at their cap write no junit: each mode's streamed reports give the outcomes
+    it reached (torchrun's rank 0, the plugin's driver), and a table the time each run took to
+    finish the tests that every run finished, side by side."""
+    (plain_shell / "suite" / "test_cut.py").write_text(CUT_SHORT_SUITE)
+    argv = ["real_suite.py", "suite/test_cut.py", "--nproc", "1", "--modes", "torchrun,serial",
+            "--cap", "20", "--out", "{tmp}/out", "--json", "{tmp}/runs.json"]  # fmt: skip
+    says = ["to the 3 tests (of 4) that every run finished", "every test has the same outcome"]
+    assert_ran_and_said(run(command(argv, plain_shell), plain_shell), says)
+    runs = json.loads((plain_shell / "runs.json").read_text())["runs"]
+    assert [(run["killed"], run["source"]) for run in runs] == [(True, "stream")] * 2
+    reached = {"passed": 2, "failed": 1, "skipped": 0, "error": 0}
+    assert [run["counts"] for run in runs] == [reached, reached]
+    assert all(len(run["finished"]) == 3 for run in runs), runs
+
+
 MODELOPT_STYLE_TEST = """
 import os
 
