@@ -153,7 +153,7 @@ class Run:
     killed: bool = False  # past its cap: the process group was killed ("run lost")
     leftovers: bool = False  # processes of the run were still alive after it exited
     gpu_peak: int | None = None  # bytes in use on the visible GPUs at the most (None: no GPU)
-    source: str = "none"  # junit, stream (rank 0's streamed reports) or none
+    source: str = "none"  # junit, stream (the reports it streamed) or none
     expected: list[str] = field(default_factory=list)
     tests: dict[str, TestResult] = field(default_factory=dict)
     finished: dict[str, float] = field(default_factory=dict)  # key: when its last report ended
@@ -423,17 +423,23 @@ def stream_reports(path: Path) -> list[dict]:
     return reports
 
 
-def parse_stream(path: Path) -> dict[str, TestResult]:
-    """Per-test outcomes from StreamReports' lines: a test counts once its teardown reported."""
+def finished_tests(path: Path) -> dict[str, list[dict]]:
+    """A stream's reports per test, of the tests that finished (their teardown reported)."""
     phases: dict[str, list[dict]] = {}
     for report in stream_reports(path):
         phases.setdefault(report["nodeid"], []).append(report)
-    results = {}
-    for nodeid, reports in phases.items():
-        if any(report["when"] == "teardown" for report in reports):
-            seconds = sum(report["duration"] for report in reports)
-            results[junit_key(nodeid)] = TestResult(stream_outcome(reports), seconds)
-    return results
+    return {nodeid: reports for nodeid, reports in phases.items()
+            if any(report["when"] == "teardown" for report in reports)}  # fmt: skip
+
+
+def parse_stream(finished: dict[str, list[dict]]) -> dict[str, TestResult]:
+    """Per-test outcomes from the streamed reports of the tests that finished."""
+    return {
+        junit_key(nodeid): TestResult(
+            stream_outcome(reports), sum(report["duration"] for report in reports)
+        )
+        for nodeid, reports in finished.items()
+    }
 
 
 def stream_outcome(reports: list[dict]) -> str:
@@ -448,20 +454,12 @@ def stream_outcome(reports: list[dict]) -> str:
     return "passed"
 
 
-def finish_times(path: Path) -> dict[str, float]:
-    """When each test whose teardown reported ended (epoch seconds), from a stream's stamps."""
-    stops: dict[str, list[float]] = {}
-    torn_down = set()
-    for report in stream_reports(path):
-        stops.setdefault(report["nodeid"], []).append(report.get("stop") or 0.0)
-        if report["when"] == "teardown":
-            torn_down.add(report["nodeid"])
-    return {junit_key(nodeid): max(stops[nodeid]) for nodeid in torn_down}
-
-
 def read_results(run: Run, junit: Path, stream: Path) -> None:
-    """The run's junit if it wrote one, else the reports it streamed; when each test ended."""
-    run.finished = finish_times(stream)
+    """The run's junit if it wrote one, else the reports it streamed; when each test ended
+    (epoch seconds, its reports' latest stop)."""
+    finished = finished_tests(stream)
+    run.finished = {junit_key(nodeid): max(report.get("stop") or 0.0 for report in reports)
+                    for nodeid, reports in finished.items()}  # fmt: skip
     if junit.exists():
         try:
             run.tests, run.source = parse_junit(junit), "junit"
@@ -469,7 +467,7 @@ def read_results(run: Run, junit: Path, stream: Path) -> None:
         except ET.ParseError:
             progress(f"{run.name}: unreadable junit {junit}")
     if stream.exists():
-        run.tests, run.source = parse_stream(stream), "stream"
+        run.tests, run.source = parse_stream(finished), "stream"
 
 
 # -- the modes ------------------------------------------------------------------------------------
