@@ -121,7 +121,7 @@ def header_lines(title: str, info: dict[str, str | int]) -> list[str]:
 
 
 def write_json(path: str, data: object) -> None:
-    """A benchmark's numbers, for the README and for comparing runs."""
+    """A benchmark's numbers, for docs/benchmarks.md and for comparing runs."""
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")

@@ -1,7 +1,7 @@
 """How long a rank gang takes to start, and what a no-op world_size(2) test costs.
 
 Process start-up dominates the GPU test lanes of Megatron-style projects (DESIGN.md, "The problem").
-This benchmark backs the README's numbers with two measurements:
+This benchmark backs docs/benchmarks.md's numbers with two measurements:
 
 1. Gang start per world size: cold is a torchrun-style gang (N fresh interpreters that import torch
    and megatron.core and join a gloo group through a TCPStore this process owns); warm is
@@ -450,7 +450,7 @@ def ms_cells(summary: dict[str, Any]) -> list[str]:
 
 
 def targets(start: dict[str, Any], per_test: dict[str, Any]) -> list[dict[str, Any]]:
-    """The README's claims, each with what this run measured (None: size not measured)."""
+    """The claims of docs/benchmarks.md, each with what this run measured (None: not measured)."""
     by_size = {row["size"]: row for row in start["sizes"]}
     small = [row["warm_s"]["median"] for size, row in by_size.items() if size <= 4]
     return [

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 23's GPU runs (README, "Transformer Engine on one GPU") as one detached job on the lent
-# machine, so that a sitting's device time goes to runs, not to the gaps between calls (the
-# machine is given back 30 s after a call returns). From the repository root, on the device:
+# Issue 23's GPU runs (docs/real-suites.md, "Transformer Engine on one GPU") as one detached job
+# on the lent machine, so that a sitting's device time goes to runs, not to the gaps between calls
+# (the machine is given back 30 s after a call returns). From the repository root, on the device:
 #
 #   bash bench/te_sitting.sh prepare       call 1, carry ["bench/out/modelopt",
 #                                          "bench/out/megatron_full"]: Model-Optimizer's prebuild

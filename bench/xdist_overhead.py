@@ -2,8 +2,8 @@
 every test needs all the devices (world size = the device count), serially and under xdist, the
 two modes alternating, whole-process wall time of each run, medians and their ratio.
 
-On one GPU this is every suite: one gang holds the only device. The target (README, "Under
-pytest-xdist"): xdist at most 1.05x the serial wall. Run `python bench/xdist_overhead.py --help`.
+On one GPU this is every suite: one gang holds the only device. The target (docs/benchmarks.md,
+"xdist start-up"): xdist at most 1.05x the serial wall. Run `python bench/xdist_overhead.py --help`.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
 #   bash bench/megatron_lm/assemble.sh GIT_DIR OUT [--whole] [WHEEL...]
 #
 # GIT_DIR: a clone of NVIDIA/Megatron-LM with the tag (a bare one will do: files come from
-# `git archive`, unmodified). Without --whole, the 280-test subset of README.md; with it, the whole
-# `tests/unit_tests` and the rest of the repository it imports (`tools/`, the root's builders and
-# entry points, `megatron/{training,rl,legacy,post_training}` into site/). WHEELs go to OUT/wheels.
+# `git archive`, unmodified). Without --whole, the 280-test subset of docs/real-suites.md; with
+# it, the whole `tests/unit_tests` and the rest of the repository it imports (`tools/`, the root's
+# builders and entry points, `megatron/{training,rl,legacy,post_training}` into site/). WHEELs go
+# to OUT/wheels.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
