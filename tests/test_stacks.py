@@ -70,3 +70,41 @@ def test_a_rank_that_did_not_answer() -> None:
     assert stacks.parse("") == []
     assert stacks.innermost_call([]) is None
     assert stacks.render(0, [], None) == "Python stack of rank 0: (none: the rank did not answer)"
+
+
+HANG_SUITE = """
+import time
+
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.world_size(2)
+def test_hangs(rank):
+    if rank == 1:
+        time.sleep(60)
+    dist.barrier()
+"""
+
+
+def test_a_timeout_folds_every_frame_of_the_plugin(pytester, run_pytest) -> None:
+    """On a real gang, the frames below the test (the zygote, the rank loop, the rank's pytest
+    session, pytest, pluggy) are one folded line, and the rank's watch thread is not shown: no
+    frame of the package reaches the report."""
+    pytester.makepyfile(test_hang=HANG_SUITE)
+    result = run_pytest("--megatron-timeout", "3")
+    result.assert_outcomes(failed=1)
+    source = [text.strip() for text in (pytester.path / "test_hang.py").read_text().splitlines()]
+    for rank, waits in ((0, "dist.barrier()"), (1, "time.sleep(60)")):
+        line = source.index(waits) + 1
+        result.stdout.fnmatch_lines(
+            [
+                f"Python stack of rank {rank} (most recent call last):",
+                "  ... * frame(s) of pytest, pluggy and xdist-megatron ...",
+                f'  File "*test_hang.py", line {line}, in test_hangs  <-- the test',
+                f"    {waits}",
+            ]
+        )
+    output = result.stdout.str()
+    assert output.count("frame(s) of pytest, pluggy and xdist-megatron") == 2, output
+    assert "xdist_megatron" not in output
+    assert "Thread 0x" not in output

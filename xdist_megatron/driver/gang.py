@@ -455,6 +455,37 @@ def _cause(
     return min(died + done, default=None)
 
 
+def retire_cause(results: list[RankResult]) -> str:
+    """Why a job that failed retired its gang, in a few words for the run report: what went
+    wrong first (ranks still running after a peer stopped early are its effect, no timeout)."""
+    lost = {r.lost for r in results}
+    if DIED in lost:
+        return "a rank died"
+    if STUCK not in lost:
+        return "a rank failed its checks"
+    first = next((stop for r in results if r.lost != STUCK for stop in _early_stops(r)), None)
+    if first is None:
+        return "timeout"
+    exited = first.startswith(SystemExit.__name__)  # sys.exit: pytest reports it as a failure
+    return "a rank exited" if exited else "peers stuck after a failure"
+
+
+def _early_stops(result: RankResult) -> list[str]:
+    """What ended a rank's test early, one line each: a setup or call that did not pass, or a
+    failure of the rank's own job."""
+    stops = [_crash_message(d) for d in result.reports if _stopped_early(d)]
+    if result.outcome != PASSED and not result.lost:
+        stops.append(result.message)
+    return stops
+
+
+def _crash_message(report: dict) -> str:
+    """The exception line of a serialised report (pytest's `reprcrash`), else its text."""
+    longrepr = report.get("longrepr")
+    crash = longrepr.get("reprcrash") if isinstance(longrepr, dict) else None
+    return crash["message"] if crash else str(longrepr)
+
+
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)

@@ -13,15 +13,13 @@ from typing import IO
 from .. import placement
 from ..protocol import (
     CUDA_AT_IMPORT,
-    DIED,
     FAILED,
-    STUCK,
     GangEvent,
     Job,
     RankResult,
     ResetJob,
 )
-from .gang import Gang, GangError
+from .gang import Gang, GangError, retire_cause
 from .locks import DeviceLocks
 from .preload import ALWAYS_PRELOAD
 from .zygote_client import ForkRefused, ZygoteClient, describe_exit
@@ -120,7 +118,7 @@ class GangPool:
         used = [r.gpu_used for r in sorted(results, key=lambda r: r.rank)]
         self.last_gpu_used = tuple(used) if any(used) else ()
         if not gang.alive:
-            self._log_retired(world_size, _retire_cause(results))
+            self._log_retired(world_size, retire_cause(results))
         return results
 
     def prepare(self, world_size: int) -> None:
@@ -337,13 +335,3 @@ class GangPool:
             self._log.close()
             self._log = None
         shutil.rmtree(self._workdir, ignore_errors=True)
-
-
-def _retire_cause(results: list[RankResult]) -> str:
-    """Why a job retired its gang, in a few words for the run report."""
-    lost = {r.lost for r in results}
-    if DIED in lost:
-        return "a rank died"
-    if STUCK in lost:
-        return "timeout"
-    return "a rank failed its checks"

@@ -16,7 +16,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from ..protocol import DIED, FAILED, WAITED, RankEnd, RankResult
+from ..protocol import DIED, FAILED, STUCK, WAITED, RankEnd, RankResult
 from .zygote_client import describe_exit
 
 PHASES = ("setup", "call", "teardown")
@@ -52,8 +52,9 @@ def merge(item: pytest.Item, results: list[RankResult]) -> list[pytest.TestRepor
         )
         per_rank[result.rank] = {report.when: report for report in loaded}
     # Which rank's failure to name first: a rank that died caused its peers' errors; a rank that
-    # was still running when the others stopped is the effect.
-    order = {r.rank: 0 if r.lost == DIED else 2 if r.lost else 1 for r in results}
+    # was still running when the others stopped is the effect (one that was done and waited for
+    # it is not: its own failure stands, and came first).
+    order = {r.rank: 0 if r.lost == DIED else 2 if r.lost == STUCK else 1 for r in results}
     for result in results:
         if result.outcome == FAILED and result.lost != WAITED:
             _add_rank_failure(item, result, per_rank[result.rank])

@@ -19,8 +19,11 @@ import pluggy
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-_HARNESS_DIRS = tuple(os.path.dirname(module.__file__) + os.sep for module in (_pytest, pluggy)) + (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+_HARNESS_DIRS = (
+    os.path.dirname(_pytest.__file__) + os.sep,
+    os.path.dirname(pluggy.__file__) + os.sep,
+    # The whole package (ranks/: the zygote, the rank loop, its watch thread), not only driver/.
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 )
 _THREADING = os.sep + "threading.py"
 

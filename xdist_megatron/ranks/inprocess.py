@@ -9,17 +9,23 @@ runs the whole session, so it also crosses module boundaries itself; a gang's dr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Generator
+from types import TracebackType
 from typing import Any
 
+import pluggy
 import pytest
+from _pytest._code import Traceback
 
 from ..protocol import LAYOUT, WORLD_SIZE, RankInfo, module_of, under_torchrun
 from . import agreement, megatron_layout
 from .holdings import ScopeHoldings
 
 PLUGIN_NAME = "xdist-megatron-rank"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PLUGGY_DIR = os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep
 
 
 def torchrun_rank_info() -> RankInfo | None:
@@ -103,6 +109,18 @@ class InProcessRank:
         finally:
             if self.applies(item):
                 self._after_test()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """A failure shows what it shows without this plugin: its hook wrappers only passed the
+        error on (pytest hides its own frames so, and `--full-trace` shows them all)."""
+        if call.excinfo is not None and not item.config.getoption("fulltrace", False):
+            passed_on = _without_passing_frames(call.excinfo.tb)
+            if passed_on is not None:
+                call.excinfo.traceback = Traceback(passed_on)
+        return (yield)
 
     @contextlib.contextmanager
     def _noting_failure(self) -> Generator[None, None, None]:
@@ -223,3 +241,31 @@ class InProcessRank:
             dist.init_process_group("cpu:gloo,cuda:nccl")
         else:
             dist.init_process_group("gloo")
+
+
+def _without_passing_frames(tb: TracebackType) -> TracebackType | None:
+    """`tb` less the frames of this plugin that only passed an error on (a hook wrapper's: pluggy
+    called it, it called pluggy again) and pluggy's call into each, as new traceback objects:
+    the exception keeps its own (a wider fixture raises it again for later tests), and
+    `--tb=native` prints from the new chain. None when no frame passed the error on."""
+    entries: list[TracebackType] = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    kept: list[TracebackType] = []
+    for entry, inner in itertools.pairwise([*entries, None]):
+        if inner is not None and _in(entry, _PACKAGE_DIR) and _in(inner, _PLUGGY_DIR):
+            if kept and _in(kept[-1], _PLUGGY_DIR):
+                kept.pop()
+        else:
+            kept.append(entry)
+    if len(kept) == len(entries):
+        return None
+    chain = None
+    for entry in reversed(kept):
+        chain = TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return chain
+
+
+def _in(entry: TracebackType, folder: str) -> bool:
+    return os.path.abspath(entry.tb_frame.f_code.co_filename).startswith(folder)
