@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - see below
@@ -26,6 +30,39 @@ def pytest_configure(config: pytest.Config) -> None:
     signal is reset to the default in a child, an ignored one is not: so handle it here."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.addinivalue_line(
+        "markers", "alone: times itself; under -n no other test of this suite runs beside it"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator:
+    """Under `pytest -n`, a test marked `alone` waits for the tests running beside it and holds
+    the others back until it ends (the deadlines of a test that times a rank's death or an
+    interrupt are for an otherwise idle machine); the rest run side by side."""
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
+        return (yield)
+    folder = Path(tempfile.gettempdir()) / f"xdist-megatron-tests-{workerinput['testrunuid']}"
+    folder.mkdir(exist_ok=True)
+    with _turn(folder, alone=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _turn(folder: Path, alone: bool) -> Generator[None, None, None]:
+    """A readers-writer lock of two flocks: `gate` lets a waiting `alone` test go before tests
+    that come after it; `running` is shared by ordinary tests, held alone by an `alone` one."""
+    with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
 
 
 TAG_VAR = "XDIST_MEGATRON_TEST_TAG"

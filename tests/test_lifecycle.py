@@ -103,6 +103,7 @@ def test_after_sigkill(rank):
 """
 
 
+@pytest.mark.alone
 def test_dead_rank_is_reported_fast_and_replaced(pytester, run_pytest, facts):
     """A rank that exits or is killed fails its test within ~2 s with its exit code or signal,
     also when its peer is not in a collective that would notice; the next test of that size
@@ -176,6 +177,7 @@ def test_after_raise(rank):
 """
 
 
+@pytest.mark.alone
 def test_hang_times_out_with_every_stack_and_raise_fails_fast(pytester, run_pytest, facts):
     """--megatron-timeout dumps each rank's stack at the hanging line, then kills the gang; an
     error on one rank while the other waits in a collective fails well before the timeout.

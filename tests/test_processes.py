@@ -260,6 +260,7 @@ def start_blocked_session(
     return process
 
 
+@pytest.mark.alone
 def test_sigkill_of_the_driver_takes_the_gang_down(pytester, tag, facts_dir):
     """Invariant 3: a driver killed by SIGKILL cannot clean up, yet its zygote and ranks go."""
     process = start_blocked_session(pytester, facts_dir)
@@ -281,6 +282,7 @@ def test_sigkill_of_the_xdist_controller_takes_workers_zygote_and_ranks_down(
     assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
 
 
+@pytest.mark.alone
 def test_ctrl_c_interrupts_a_hanging_test_and_leaves_nothing(pytester, tag, facts_dir):
     """Invariant 3: SIGINT during a test on a gang ends pytest as an interrupt (exit code 2)."""
     process = start_blocked_session(pytester, facts_dir)
@@ -295,6 +297,7 @@ def test_ctrl_c_interrupts_a_hanging_test_and_leaves_nothing(pytester, tag, fact
     assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
 
 
+@pytest.mark.alone
 def test_sigint_to_the_xdist_controller_ends_the_ranks_at_once(pytester, tag, facts_dir):
     """A CI runner's cancel (SIGINT to the controller, not a terminal's Ctrl-C to the whole
     group): the ranks and the zygote are gone within a second (they used to outlive it by 5 s
