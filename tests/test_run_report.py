@@ -14,6 +14,7 @@ from xdist_megatron.report.timeline import (
     idle_gaps,
     lanes,
     peak_gpu_used,
+    reachable,
     summary,
     utilisation,
 )
@@ -82,13 +83,50 @@ def test_the_summary_counts_gangs_by_size_and_cause() -> None:
         GangEvent(2, "retire", 2, "gw0:ws2#1", "timeout"),
         GangEvent(2, "start", 2, "gw0:ws2#2", "replaced a retired one"),
     ]
-    lines = summary(spans, events, (0, 1, 2, 3))
+    lines = summary(spans, events, (0, 1, 2, 3), workers=2)
     assert lines[0] == (
         "gangs of 2: 2 started (1 first use, 1 replaced a retired one); 1 retired (1 timeout)"
     )
     assert "ws2: 2 tests, 3.0 s" in lines
     assert "device utilisation: 50% of 4 devices x 3.0 s (test phase)" in lines
     assert "devices never used: 2, 3" in lines
+
+
+def test_utilisation_counts_the_devices_the_runs_gangs_reach() -> None:
+    """Issue 44, 2g: two workers of world size 2 on cpu:8 hold slots 0-1 and 4-5, never the
+    others: the report said '27% of 8 devices ... devices never used: 2, 3, 6, 7'. A worker
+    that got no work leaves its block unused; a serial run reaches the first block only."""
+    spans = [span("a.py::t", 0, 10, (0, 1), 2), span("b.py::t", 0, 5, (4, 5), 2)]
+    assert reachable(spans, tuple(range(8)), workers=2) == (0, 1, 4, 5)
+    lines = summary(spans, [], tuple(range(8)), workers=2)
+    reach = "; 4 of the 8 devices are out of the gangs' reach"
+    assert f"device utilisation: 75% of 4 devices x 10.0 s (test phase{reach})" in lines
+    assert not [line for line in lines if line.startswith("devices never used")], lines
+    assert "devices never used: 4, 5" in summary(spans[:1], [], tuple(range(8)), workers=2)
+    assert reachable(spans[:1], tuple(range(8)), workers=0) == (0, 1)
+
+
+TWO_MODULES_OF_PAIRS = """
+import pytest
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("n", range(2))
+def test_pair(n, rank):
+    pass
+"""
+
+
+def test_utilisation_under_xdist_counts_what_its_workers_reach(run_pytest, pytester):
+    """The issue's run: two workers, world size 2, the default of 8 CPU slots on a 2-core box."""
+    pytester.makepyfile(test_one=TWO_MODULES_OF_PAIRS, test_two=TWO_MODULES_OF_PAIRS)
+    result = run_pytest("-n", "2", "--dist", "megatron", *CPU8)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(
+        ["device utilisation: *% of 4 devices x * s (test phase; 4 of the 8 devices are out *"]
+    )
+    for line in result.stdout.lines:
+        if line.startswith("devices never used: "):
+            assert set(line.split(": ")[1].split(", ")) <= {"0", "1", "4", "5"}, line
 
 
 def test_the_chart_is_svg_with_a_bar_per_device_of_each_test() -> None:
@@ -113,7 +151,8 @@ def test_a_run_writes_the_timeline_the_chart_and_junit_properties(run_pytest, py
             "gangs of 3: 2 started (1 first use, 1 replaced a retired one); "
             "1 retired (1 a failure in a test)",
             "gangs of 4: 1 started (1 first use)",
-            "device utilisation: *% of 8 devices x * s (test phase)",
+            "device utilisation: *% of 4 devices x * s (test phase; 4 of the 8 devices are "
+            "out of the gangs' reach)",
             "timeline: *run.json, chart: *run.svg",
         ]
     )

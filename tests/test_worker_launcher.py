@@ -1,11 +1,13 @@
 """The worker launcher (xdist/worker_launcher.py), which stands in for `python` when execnet
 starts an xdist worker: the worker is forked from a real zygote onto the launcher's pipes, its
 exit code (or the signal that killed it) comes back as the launcher's own, the launcher's
-SIGTERM reaches it, and a launcher killed outright takes the worker with it."""
+SIGTERM reaches it, a Ctrl-C once, and a launcher killed outright takes the worker with it. A
+Ctrl-C before the worker exists ends the launcher quietly, by SIGINT."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from conftest import alive, assert_gone, assert_no_processes_left
 
 from xdist_megatron.driver.zygote_client import ZygoteClient, shared_address
 from xdist_megatron.xdist.hooks import LAUNCHER
+from xdist_megatron.xdist.worker_launcher import SAME_CTRL_C
 
 WHO_AM_I = """
 import os, sys
@@ -88,6 +91,53 @@ def test_sigterm_reaches_the_worker(zygote) -> None:
     assert process.stdout.readline().strip() == "up"
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == -signal.SIGTERM
+
+
+COUNTS_CTRL_C = """
+import signal, sys, time
+seen = []
+signal.signal(signal.SIGINT, lambda *_: seen.append(1))
+print("up", flush=True)
+sys.stdin.readline()
+print(len(seen))
+"""
+
+
+@pytest.mark.alone
+def test_one_ctrl_c_reaching_the_launcher_twice_reaches_the_worker_once(zygote) -> None:
+    """A terminal's Ctrl-C reaches the launcher, in pytest's process group, and the xdist
+    controller passes it on to its workers as well: the worker, in a group of its own, gets it
+    once. A later one, a second Ctrl-C, reaches it too."""
+    process = launch(zygote.address, COUNTS_CTRL_C, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert process.stdout.readline().strip() == "up"
+    time.sleep(0.5)  # the launcher passes signals on once it has heard of the fork
+    for pause in (0.1, SAME_CTRL_C + 1.0, 0):
+        process.send_signal(signal.SIGINT)
+        time.sleep(pause)
+    out, _ = process.communicate("report\n", timeout=30)
+    assert out.strip() == "2" and process.returncode == 0
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_before_the_fork_ends_the_launcher_by_it(tag: str, signum: int) -> None:
+    """A zygote still importing has not answered: Ctrl-C (or SIGTERM) ends the launcher at
+    once, by that signal, with nothing printed (it raised KeyboardInterrupt with a traceback),
+    and the zygote going away afterwards starts no worker."""
+    address = shared_address()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as busy:  # answers nobody
+        busy.bind("\0" + address)
+        busy.listen()
+        process = launch(address, "print('a worker ran')", stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
+        busy.settimeout(30)
+        request, _ = busy.accept()
+        time.sleep(0.3)  # it waits for the answer
+        process.send_signal(signum)
+        process.wait(timeout=30)
+        request.close()
+    out, err = process.communicate(timeout=30)
+    assert (process.returncode, out, err) == (-signum, "", "")
 
 
 def test_a_launcher_killed_outright_takes_its_worker(zygote) -> None:

@@ -85,7 +85,8 @@ class RunReport:
         if not any(span.world_size for span in spans):
             return  # no gang ran: nothing to say about devices
         terminalreporter.section(SECTION)
-        for line in timeline.summary(spans, self.events(), self.devices()):
+        workers = len(self.config.getoption("tx", None) or ())  # xdist's; none: serial
+        for line in timeline.summary(spans, self.events(), self.devices(), workers):
             terminalreporter.line(line)
         if self.written is not None:
             svg = self.written.with_suffix(".svg")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
+from .. import placement
 from ..protocol import GangEvent, module_of
 
 TIMELINE_VERSION = 1
@@ -52,10 +53,25 @@ def makespan(spans: list[Span]) -> tuple[float, float]:
 
 
 def utilisation(spans: list[Span], device_count: int) -> float:
-    """Busy device-seconds over device-seconds available in the test phase."""
+    """Busy device-seconds over device-seconds available in the test phase, on `device_count`
+    devices (those the run's gangs could hold: `reachable`)."""
     first, last = makespan(spans)
     busy = sum(len(s.devices) * s.seconds for s in spans)
-    return busy / (device_count * (last - first)) if last > first else 0.0
+    return busy / (device_count * (last - first)) if device_count and last > first else 0.0
+
+
+def reachable(spans: list[Span], devices: tuple[int, ...], workers: int) -> tuple[int, ...]:
+    """The devices the run could have used: each worker's block for each world size that ran
+    (its home device for a test run in the driver), as placement gives them, and any device a
+    test used. `workers`: the xdist workers (0: a serial run). Two workers of world size 2 on
+    `cpu:8` reach 4 slots: the other 4 are never idle for want of work."""
+    placed = placement.DeviceSet("cpu", devices, workers=workers)  # the kind places nothing
+    sizes = {span.world_size for span in spans}
+    held = {device for span in spans for device in span.devices}
+    for worker in range(max(1, workers)):
+        for size in sizes:
+            held.update(placement.devices_of(placed, worker, size))
+    return tuple(device for device in devices if device in held)
 
 
 def idle_gaps(spans: list[Span], devices: tuple[int, ...]) -> list[tuple[float, int, float]]:
@@ -76,20 +92,27 @@ def idle_gaps(spans: list[Span], devices: tuple[int, ...]) -> list[tuple[float, 
     return sorted(gaps, key=lambda g: (-g[0], g[1]))
 
 
-def summary(spans: list[Span], events: list[GangEvent], devices: tuple[int, ...]) -> list[str]:
-    """The terminal's lines: gangs, time per world size, utilisation, longest units, idle gaps."""
+def summary(
+    spans: list[Span], events: list[GangEvent], devices: tuple[int, ...], workers: int = 0
+) -> list[str]:
+    """The terminal's lines: gangs, time per world size, utilisation, longest units, idle gaps;
+    utilisation and the devices never used count only those the run could have used."""
     first, last = makespan(spans)
     lines = _gang_lines(events) + _size_lines(spans)
-    lines.append(
-        f"device utilisation: {utilisation(spans, len(devices)):.0%} of {len(devices)} devices "
-        f"x {last - first:.1f} s (test phase)"
+    usable = reachable(spans, devices, workers)
+    line = (
+        f"device utilisation: {utilisation(spans, len(usable)):.0%} of {len(usable)} devices "
+        f"x {last - first:.1f} s (test phase"
     )
+    out_of_reach = len(devices) - len(usable)
+    reach = f"; {out_of_reach} of the {len(devices)} devices are out of the gangs' reach"
+    lines.append(line + (reach if out_of_reach else "") + ")")
     units: dict[tuple[str, int | None], float] = defaultdict(float)
     for span in spans:
         units[module_of(span.nodeid), span.world_size] += span.seconds
     longest = sorted(units.items(), key=lambda u: -u[1])[:UNITS_SHOWN]
     lines.append("longest units: " + ", ".join(f"{m} {_ws(s)} {t:.1f} s" for (m, s), t in longest))
-    return lines + _sharing_lines(spans) + _idle_lines(spans, devices)
+    return lines + _sharing_lines(spans) + _idle_lines(spans, usable)
 
 
 def lanes(spans: list[Span]) -> dict[tuple[str, int], int]:

@@ -9,8 +9,10 @@ would warn that its asserts cannot be rewritten (it has none).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -39,6 +41,7 @@ PORT_FLOOR, PORT_TRIES = 10000, 100  # workers' MASTER_PORTs: from PORT_FLOOR up
 _draw = random.SystemRandom()  # not the global generator, which a plugin may have seeded
 
 AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
+WORKER_INTERRUPTS = "xdist-megatron-worker-interrupts"
 _parser: pytest.Parser | None = None
 
 
@@ -67,6 +70,46 @@ def requested(config: pytest.Config) -> bool:
     return config.getoption("dist", "no") == DIST_MODE
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    controller = config.getoption("tx", None) and not hasattr(config, "workerinput")
+    if requested(config) and controller:
+        config.pluginmanager.register(WorkerInterrupts(), WORKER_INTERRUPTS)
+
+
+class WorkerInterrupts:
+    """The controller's: a Ctrl-C that reached the controller alone (a CI runner's SIGINT to
+    its pid) is passed on to its workers, as a terminal's reaches the whole process group, and
+    before the controller's own interrupt kills the shared zygote. Without it each worker,
+    forked from the zygote into a process group of its own, ran on into its next test (on a
+    zygote of its own) until xdist's shutdown gave up waiting for it and execnet interrupted it
+    5 s later; a launcher still waiting for its fork started its worker as plain python once
+    the zygote was gone."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_keyboard_interrupt(self) -> None:
+        for pid in started_by_execnet():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+
+
+def started_by_execnet() -> list[int]:
+    """This process's children that execnet started as `python -c BOOTSTRAP`: the workers, or
+    the launchers standing in for them. A child's pid is not reused before it is reaped."""
+    from execnet.gateway_io import popen_bootstrapline
+
+    parent, bootstrap = str(os.getpid()).encode(), popen_bootstrapline.encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # it has ended
+            continue
+        if stat.rsplit(b")", 1)[1].split()[1] == parent and bootstrap in command:
+            found.append(int(entry))
+    return found
+
+
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """`-n auto` with `--dist megatron`: one worker per GPU, or per CPU core (at most one per
@@ -87,12 +130,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     world_sizes, known_from = known_world_sizes(config)
     if placement.gangs_at_once(devices.count, world_sizes, per_device) > 1:
         return workers * per_device
-    smallest = min(world_sizes, default=1)
     config.stash[AUTO_SERIAL] = (
-        f"-n auto: the {devices.count} device(s) fit one gang of {smallest} at a time, so the "
+        f"-n auto: the {devices.count} device(s) {fit(devices.count, world_sizes)}, so the "
         f"tests run here, without xdist workers (world sizes: {known_from})"
     )
     return 0
+
+
+def fit(device_count: int, world_sizes: set[int]) -> str:
+    """What the devices fit of these world sizes, as the header says it; a size larger than the
+    devices fits no gang (its tests are skipped: 'needs N devices, M available')."""
+    fitting = [size for size in world_sizes if size <= device_count]
+    if world_sizes and not fitting:
+        sizes = ", ".join(map(str, sorted(world_sizes)))
+        return f"fit no gang of {sizes} (those tests are skipped)"
+    return f"fit one gang of {min(fitting, default=1)} at a time"
 
 
 def known_world_sizes(config: pytest.Config) -> tuple[set[int], str]:

@@ -8,6 +8,13 @@ and xdist: it passes on SIGINT and SIGTERM, and exits with the worker's exit cod
 zygote died before it could say). If the zygote cannot fork one, the worker starts as a plain
 `python -u -c BOOTSTRAP` in its place.
 
+SIGINT or SIGTERM before the worker exists (the zygote may still be importing the suite's
+packages) ends the launcher at once, by that signal, and no worker starts: it used to raise
+KeyboardInterrupt with a traceback, or fall back to a plain worker once the interrupted
+controller had killed the zygote. One Ctrl-C may reach it twice (the terminal's, to the whole
+process group, and the controller's, which passes it on to its workers): the worker gets it
+once.
+
 Run by path with `python -I`: it imports nothing but the standard library, so that it starts in
 milliseconds, and speaks to the zygote in plain tuples (see `ranks/zygote.py`, FORK_WORKER).
 """
@@ -19,16 +26,22 @@ import os
 import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import Connection, wait
+from types import FrameType
 
 FORK_WORKER = "fork-worker"  # the request's tag; the zygote's twin of this name says why
+SAME_CTRL_C = 1.0  # seconds: a SIGINT this soon after the last one passed on is the same Ctrl-C
+PASSED_ON = (signal.SIGINT, signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
     address, python_args = argv[1], argv[2:]
+    for signum in PASSED_ON:  # no worker yet: end here, as Python's own SIGTERM would
+        signal.signal(signum, _end_by)
     try:
         conn, pid = _fork_worker(address, python_args)
-    except (OSError, EOFError, ValueError):
+    except (OSError, EOFError, ValueError):  # exec resets the handlers to Python's own
         os.execv(sys.executable, [sys.executable, *python_args])
     for fd in (0, 1, 2):  # only the worker holds execnet's pipes: its exit closes them
         os.close(fd)
@@ -38,8 +51,9 @@ def main(argv: list[str]) -> int:
         worker: int | None = os.pidfd_open(pid)
     except OSError:  # it has ended already, or the kernel is older than 5.3
         worker = None
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, _frame: _pass_on(worker, pid, signum))
+    passer = PassOn(worker, pid)
+    for signum in PASSED_ON:
+        signal.signal(signum, passer)
     while True:
         try:
             message = conn.recv()
@@ -51,12 +65,32 @@ def main(argv: list[str]) -> int:
             return _exit_as(message[1])
 
 
-def _pass_on(worker: int | None, pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it has just ended
-        if worker is None:
-            os.kill(pid, signum)
-        else:
-            signal.pidfd_send_signal(worker, signum)
+class PassOn:
+    """The launcher's SIGINT and SIGTERM handler once the worker exists: the worker gets them,
+    a Ctrl-C once."""
+
+    def __init__(self, worker: int | None, pid: int) -> None:
+        self.worker = worker  # its pidfd, where the kernel has them
+        self.pid = pid
+        self.last_ctrl_c = float("-inf")  # when the last SIGINT was passed on
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if now - self.last_ctrl_c < SAME_CTRL_C:
+                return
+            self.last_ctrl_c = now
+        with contextlib.suppress(ProcessLookupError):  # it has just ended
+            if self.worker is None:
+                os.kill(self.pid, signum)
+            else:
+                signal.pidfd_send_signal(self.worker, signum)
+
+
+def _end_by(signum: int, _frame: FrameType | None) -> None:
+    """Before the worker exists: end by this signal (the zygote, seeing the connection close,
+    kills a worker it forked meanwhile)."""
+    _exit_as(-signum)
 
 
 def _exit_as(code: int) -> int:
