@@ -8,6 +8,7 @@ function that raises where every rank finished does not (an ordinary failure, as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -224,6 +225,12 @@ class Gang:
         self._zygote.wait_exits(self.pids, 5.0)
         self._release()
 
+    def _retire_on_the_way_out(self) -> None:
+        """Retire while an error leaves: a zygote already gone (an interrupt's handler killed it,
+        and its ranks with it) must not put a ZygoteError in place of that KeyboardInterrupt."""
+        with contextlib.suppress(ZygoteError):
+            self.retire()
+
     def close(self) -> None:
         """Shut down cleanly: each rank leaves the process group and exits."""
         if self.alive:
@@ -307,7 +314,7 @@ class Gang:
         try:
             results = self._collect(timeout, _test_frame(job))
         except BaseException:
-            self.retire()
+            self._retire_on_the_way_out()
             raise
         if any(r.outcome == FAILED for r in results):
             self.retire()
