@@ -1,39 +1,56 @@
-"""pytest hooks of xdist-megatron: options, collection, the run of each test, the summary.
+"""pytest hooks of xdist-megatron: its options, and whether the run uses it at all.
 
-Each hook hands its work to the layer that owns it (README, "Architecture"): `driver/` for
-what the pytest process does, `xdist/` for the controller, `report/` and `ci/` for what they
-add. The rank fixtures, the xdist hooks, the Ctrl-C latch and the torchrun coverage are hook
-modules of their own, registered here.
+pytest loads this module (the plugin's entry point) in every run of an environment that has the
+plugin installed. A run that uses none of it goes as if it were not installed (DESIGN, invariant
+6): this module imports little, adds the options (and `megatron` to xdist's `--dist`) and the
+markers' help, and watches collection; nothing starts, nothing of pytest is replaced, nothing is
+written, the header says nothing (the Ctrl-C latch of interrupts.py waits for a SIGINT alone).
+A run uses the plugin where that is known before the conftest files load (`early_cache.decide`:
+its options, its ini, the record of the last runs' tests on gangs), or from the moment
+collection finds a test marked for a gang or one that requests a rank fixture no one else
+defines. From then on `_engage` registers the role's hook modules (`driver/runtime_hooks.py`,
+the fixtures, the xdist hooks) and builds the process's Runtime; known early, the zygote starts
+as the conftest files import torch.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-from collections.abc import Generator
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import layouts, markers, parsed_sources
-from .ci import durations, path_options, selection
-from .coverage import rank_coverage
-from .driver import bytecode, collection, dispatch, import_follower
-from .driver.pool import SESSION_SCOPE
-from .driver.runtime import RUNTIME, Runtime, gangs_per_device
-from .driver.timeouts import DEFAULT_TIMEOUT, default_timeout, timeout_of
-from .protocol import TIMEOUT, WORLD_SIZE, on_gang_rank
-from .ranks.inprocess import PLUGIN_NAME as RANK_PLUGIN
+from . import layouts, markers
+from .ci import durations, early_cache, selection
+from .driver.timeouts import DEFAULT_TIMEOUT
+from .protocol import DIST_MODE, INPUT_KEY, on_gang_rank
 from .report import run_report
-from .report.run_facts import RunFacts
-from .xdist import hooks as xdist_hooks
 
-pytest_plugins = [
+if TYPE_CHECKING:
+    from .driver.runtime import Runtime
+
+pytest_plugins = [  # in this order: each imports no later one, so pytest rewrites them all
     "xdist_megatron.coverage.torchrun_coverage",  # its hooks must precede pytest-cov's
+    "xdist_megatron.driver.import_follower",  # starts in the same hook as pytest-cov, after it
+    # Ctrl-C is never lost, also while the conftest files import (before collection tells
+    # whether the run has gangs); it acts on Ctrl-C alone.
+    "xdist_megatron.driver.interrupts",
+]
+ROLE_PLUGINS = (
+    "xdist_megatron.driver.runtime_hooks",
     "xdist_megatron.xdist.hooks",
     "xdist_megatron.driver.fixtures",
-    "xdist_megatron.driver.interrupts",  # Ctrl-C is never lost
-]
+)
+RANK_FIXTURES = ("rank", "world_size", "local_rank", "device", "gang")  # driver/fixtures.py's
+TIMEOUT_HELP = "timeout(seconds): per-test timeout, honoured on gangs as well"
+DIST_HELP = (
+    "megatron: tests marked with a world size run on rank gangs, grouped by (module, world "
+    "size), largest first, on device blocks that at most --megatron-gangs-per-device gangs share "
+    "(xdist-megatron)."
+)
+
+_ROLE = pytest.StashKey[ModuleType]()  # runtime_hooks, once the run is known to use the plugin
+_parser: pytest.Parser | None = None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -83,7 +100,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     selection.add_options(group, parser)
     durations.add_options(group, parser)
     run_report.add_options(group)
-    xdist_hooks.add_dist_choice(parser)
+    _add_dist_choice(parser)
     parser.addini("megatron_timeout", "default of --megatron-timeout", default=str(DEFAULT_TIMEOUT))
     parser.addini("megatron_world_size", "default of --megatron-world-size", default="")
     parser.addini(
@@ -99,76 +116,80 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "megatron_gang_scope",
         "session: one gang per world size for the session, reset at module boundaries; "
         "module: a fresh gang for every module",
-        default=SESSION_SCOPE,
+        default="session",  # driver/pool.py's SESSION_SCOPE, not imported where unused
     )
 
 
-def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    """Start the zygote's imports beside the driver's own, before the conftest files import the
-    suite's packages (see import_follower); after pytest-cov started measuring (its hook is
-    tryfirst), so that a zygote started at once measures its preloads too; with bytecode shared
-    first where it is off, so that the zygote compiles nothing the driver has compiled."""
-    bytecode.share(early_config)
-    follower = import_follower.follow_imports(early_config)
-    if follower is not None:
-        early_config.stash[import_follower.FOLLOWER] = follower
+def _add_dist_choice(parser: pytest.Parser) -> None:
+    """Add `megatron` to xdist's `--dist` choices, whichever of the two plugins loaded first
+    (from a conftest it would come too late: the choices must be there before parsing)."""
+    global _parser
+    _parser = parser
+    for group in parser._groups:
+        for option in group.options:
+            if "--dist" not in option.names():
+                continue
+            attrs = option.attrs()
+            choices = attrs.get("choices")
+            if choices is not None and DIST_MODE not in choices:
+                choices.append(DIST_MODE)
+                attrs["help"] = f"{attrs.get('help') or ''} {DIST_HELP}"
+                option.help = attrs["help"]  # older pytest rebuilds attrs() from this
+
+
+def pytest_plugin_registered(plugin: Any, plugin_name: str, manager: Any) -> None:
+    if _parser is not None and getattr(plugin, "__name__", None) == "xdist.plugin":
+        _add_dist_choice(_parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
+    """Before the conftest files load (and the zygote's start beside them, import_follower.py):
+    is the run known to use the plugin? If so, its role's hook modules from now on."""
+    if early_cache.decide(early_config, parser):
+        _register_role_plugins(early_config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", markers.MARKER_HELP)
-    config.addinivalue_line("markers", markers.EXCLUSIVE_HELP)
-    config.addinivalue_line("markers", layouts.MARKER_HELP)
-    config.addinivalue_line(
-        "markers", "timeout(seconds): per-test timeout, honoured on gangs as well"
-    )
-    runtime = config.stash[RUNTIME] = Runtime(config)
-    undo = parsed_sources.install()  # in every process: driver, xdist worker, rank
-    if undo is not None:
-        config.add_cleanup(undo)
-    default_timeout(config)  # a bad value is a usage error now, not a failure per test
-    gangs_per_device(config)
-    selection.check(config)
-    durations.check(config)
-    path_options.check(config)
-    if config.getoption("megatron_devices") is not None and runtime.inprocess is None:
-        runtime.devices  # noqa: B018 - likewise: a bad spec fails the run here, in every mode
-    if runtime.inprocess is not None:
-        config.pluginmanager.register(runtime.inprocess, RANK_PLUGIN)
-    else:
-        _register_driver_plugins(config, runtime)
-    # At exit CPython's last collections walk every object torch and megatron allocated: about
-    # 2 s per process with megatron.core loaded. Frozen objects are skipped; the language does
-    # not promise to finalise objects still alive at exit, and atexit handlers all still run.
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
+    for line in (markers.MARKER_HELP, markers.EXCLUSIVE_HELP, layouts.MARKER_HELP, TIMEOUT_HELP):
+        config.addinivalue_line("markers", line)
+    # A worker of a controller that uses the plugin uses it: they decide alike (the same command
+    # line, ini and cache), unless another session wrote the cache in between.
+    coordinated = INPUT_KEY in getattr(config, "workerinput", {})
+    if early_cache.uses_plugin(config) or coordinated:
+        _engage(config)
     # The controller sees every report, workers need not; a gang's rank reports to its driver.
     if not hasattr(config, "workerinput") and not on_gang_rank():
-        recorder = durations.DurationRecorder(config)
+        recorder = durations.DurationRecorder(config, lambda: _ROLE in config.stash)
         config.pluginmanager.register(recorder, "xdist-megatron-durations")
 
 
-def _register_driver_plugins(config: pytest.Config, runtime: Runtime) -> None:
-    """The driver's own plugins; the run report only where every report arrives (the serial
-    driver or the xdist controller)."""
-    manager = config.pluginmanager
-    manager.register(dispatch.GangDispatch(runtime, timeout_of), "xdist-megatron-dispatch")
-    manager.register(RunFacts(runtime), "xdist-megatron-run-facts")
-    if not hasattr(config, "workerinput"):
-        report = run_report.RunReport(config, lambda: runtime.devices.ids)
-        manager.register(report, "xdist-megatron-run-report")
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One item per world size; the first marked test engages a run not yet known to use the
+    plugin, which then starts its zygote (collection goes on beside its imports)."""
+    role = metafunc.config.stash.get(_ROLE, None)
+    if role is None:
+        if not _marked(metafunc.definition):
+            return
+        role = _engage(metafunc.config, follow=True)
+    role.parametrize(metafunc)
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    runtime = config.stash.get(RUNTIME, None)
-    if runtime is not None:
-        runtime.close()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    session.config.stash[RUNTIME].close()
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    role = config.stash.get(_ROLE, None)
+    if role is None:
+        if not any(_marked(item) or _requests_rank_fixture(item) for item in items):
+            return
+        role = _engage(config, follow=True)
+    role.assign(config, items)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
+    if _ROLE not in config.stash:
+        return None
+    from .xdist import hooks as xdist_hooks
+
     if xdist_hooks.AUTO_SERIAL in config.stash:
         return f"xdist-megatron: {config.stash[xdist_hooks.AUTO_SERIAL]}"
     if xdist_hooks.requested(config) and not config.getoption("tx", None):
@@ -176,65 +197,50 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    collection.parametrize(metafunc, metafunc.config.stash[RUNTIME])
+def _engage(config: pytest.Config, follow: bool = False) -> ModuleType:
+    """From the moment the run is known to use the plugin: its role's hook modules, the
+    imports followed for the zygote where that is known only at collection (`follow`), the
+    process's Runtime and, in a driver, the plugins that stamp and report its tests."""
+    _register_role_plugins(config)
+    from .driver import import_follower, runtime_hooks  # after: pytest rewrites its plugins
+
+    config.stash[_ROLE] = runtime_hooks
+    if follow:
+        import_follower.start(config)
+    runtime = runtime_hooks.configure(config)
+    if runtime.inprocess is None:
+        _register_report_plugins(config, runtime)
+    return runtime_hooks
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    collection.assign(config, items, config.stash[RUNTIME])
+def _register_role_plugins(config: pytest.Config) -> None:
+    for name in ROLE_PLUGINS:
+        config.pluginmanager.import_plugin(name)  # once; not where `-p no:NAME` blocks it
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[RUNTIME].start_zygote_early()
+def _register_report_plugins(config: pytest.Config, runtime: Runtime) -> None:
+    """Each test's facts on its reports; the run report only where every report arrives (the
+    serial driver or the xdist controller)."""
+    from .report.run_facts import RunFacts
+
+    manager = config.pluginmanager
+    manager.register(RunFacts(runtime), "xdist-megatron-run-facts")
+    if not hasattr(config, "workerinput"):
+        report = run_report.RunReport(config, lambda: runtime.devices.ids)
+        manager.register(report, "xdist-megatron-run-report")
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config.stash[RUNTIME].collection_done(session.items)
+def _marked(node: pytest.Item) -> bool:
+    """A world_size or megatron marker on the test, its class or its module."""
+    return any(node.get_closest_marker(name) for name in (markers.MARKER, layouts.MARKER))
 
 
-@pytest.hookimpl(wrapper=True, trylast=True)
-def pytest_runtestloop(session: pytest.Session) -> Generator:
-    """A measured driver ends its gangs and zygote with the test loop and adds their coverage
-    to its own, inside pytest-cov's wrapper: before it combines and reports."""
-    try:
-        return (yield)
-    finally:
-        if rank_coverage.targeted():
-            session.config.stash[RUNTIME].close()
-            rank_coverage.combine_into_driver()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Generator:
-    if WORLD_SIZE in item.stash:
-        return (yield)
-    with item.config.stash[RUNTIME].home_device_held():
-        return (yield)
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
-    """pytest-timeout: for tests on gangs the driver owns the timer (it dumps every rank's
-    stack); on a gang's rank, no timer (its driver's covers every rank)."""
-    if on_gang_rank():
-        return True
-    if not item.config.stash[RUNTIME].runs_on_ranks(item):
-        return None
-    item.stash[TIMEOUT] = float(settings.timeout)
-    return True
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    runtime = item.config.stash[RUNTIME]
-    return True if on_gang_rank() or runtime.runs_on_ranks(item) else None
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    runtime = terminalreporter.config.stash.get(RUNTIME, None)
-    notes = runtime.notes if runtime is not None else []
-    if notes:
-        terminalreporter.section("xdist-megatron")
-        for note in notes:
-            terminalreporter.line(note)
+def _requests_rank_fixture(item: pytest.Item) -> bool:
+    """A test that requests a rank fixture (`rank`, `gang`...) that nothing but the plugin
+    defines: without the plugin it would fail to find it."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's record of what a test requests
+    if info is None:
+        return False
+    return any(
+        name in info.names_closure and name not in info.name2fixturedefs for name in RANK_FIXTURES
+    )

@@ -4,18 +4,22 @@ The pytest cache keeps the last run's (the default). A CI job starts from a clea
 no cache, so a durations file can stand in for it: read with `--megatron-durations PATH`, and
 written (merged: this run's tests replace their entries, the others stay) with
 `--megatron-store-durations`, as pytest-split's `--durations-path` / `--store-durations`.
+
+Only a run that used the plugin writes, and with its durations the record of the modules that
+had tests on gangs, from which the next run decides to start early (`early_cache`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ..protocol import write_json
+from ..protocol import module_of, under_torchrun, write_json
 from . import early_cache
 
 CACHE_KEY = "xdist_megatron/durations"
@@ -126,11 +130,14 @@ def cached_world_sizes(config: pytest.Config) -> set[int]:
 
 
 class DurationRecorder:
-    """Adds up setup, call and teardown time per test and saves it at the end of the session:
-    in the pytest cache, and in the durations file when asked to."""
+    """Adds up setup, call and teardown time per test and, in a run that used the plugin, saves
+    it at the end of the session: in the pytest cache, and in the durations file when asked to.
+    A run used it where `engaged()` says so, or where a test ran on a gang (an xdist controller
+    learns that from its workers' reports alone)."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, engaged: Callable[[], bool]) -> None:
         self.config = config
+        self.engaged = engaged
         self.measured: dict[str, float] = {}
         self.sizes: dict[str, int | None] = {}
 
@@ -142,13 +149,25 @@ class DurationRecorder:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self) -> None:
-        if not self.measured:
+        if not self.measured or not (self.sizes or self.engaged()):
             return
         cache = getattr(self.config, "cache", None)
         if cache is not None:
             cache.set(CACHE_KEY, {**_cached(self.config), **self.measured})
             cache.set(SIZES_KEY, sorted({self.sizes.get(n) or 1 for n in self.measured}))
+            if not under_torchrun():  # its ranks run no gang: they say nothing of the modules
+                self._record_gang_modules(cache)
         path = file_path(self.config)
         if path is not None and self.config.getoption("megatron_store_durations"):
             timings = {n: Timing(self.sizes.get(n), d) for n, d in self.measured.items()}
             write_file(path, {**read_file(path), **timings})
+
+    def _record_gang_modules(self, cache: pytest.Cache) -> None:
+        """The modules of this run's tests on gangs replace what the record said of the
+        modules this run ran; the others' entries stay."""
+        known = early_cache.gang_modules(self.config)
+        ran = {module_of(nodeid) for nodeid in self.measured}
+        on_gangs = {module_of(nodeid) for nodeid, size in self.sizes.items() if size}
+        record = sorted({*(m for m in known if m not in ran), *on_gangs})
+        if record != known:
+            cache.set(early_cache.GANG_MODULES_KEY, record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -105,15 +106,17 @@ def _say(item: pytest.Item, text: str) -> None:
 
 
 def _forward_warnings(item: pytest.Item, results: list[Any]) -> None:
-    """The warnings the test raised on its ranks, once each (every rank raises the same)."""
-    seen = set()
+    """The warnings the test raised on its ranks, each as often as one rank raised it (every
+    rank raises the same ones): what torchrun's rank 0 shows. A warning raised again at the same
+    line counts each time, as pytest counts it (torch.jit.script warns once per function it
+    compiles, from one line of torch's)."""
+    counts: Counter[tuple] = Counter()
     for result in results:
-        for data in result.warnings:
-            key = tuple(data.values())
-            if key in seen:
-                continue
-            seen.add(key)
-            category = _warning_category(data["category"])
+        counts |= Counter(tuple(data.items()) for data in result.warnings)  # the larger count
+    for raised, count in counts.items():
+        data = dict(raised)
+        category = _warning_category(data["category"])
+        for _ in range(count):
             message = category(data["message"])
             _record(
                 item,

@@ -7,6 +7,12 @@ them: torch and megatron.core take ~15 s on an H200 host, as long as the driver 
 them. The zygote starts when the driver imports torch (a suite that never does needs no gangs)
 and follows with each library package the driver has imported since, polled a few times a
 second; the package list collection found is added afterwards, as before.
+
+A pytest plugin module of every run (plugin.py lists it), so that it starts after pytest-cov
+started measuring (its hook is tryfirst) and a zygote started at once measures its preloads too;
+it starts only in a run known to use the plugin (`early_cache.uses_plugin`), else when
+collection finds the first test on a gang (`start`). Light to import: a run that uses none of
+the plugin imports it too.
 """
 
 from __future__ import annotations
@@ -16,16 +22,35 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
+from ..ci import early_cache
 from ..protocol import DIST_MODE, session_owner
-from . import zygote_client
+from . import bytecode
 from .preload import Preloadable, gpus_likely, preloadable_of, with_base
-from .zygote_client import ZygoteClient
+
+if TYPE_CHECKING:
+    from .zygote_client import ZygoteClient
 
 POLL_SECONDS = 0.05
 TRIGGER = "torch"
+
+
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Before the conftest files import the suite's packages, in a run known to use the plugin."""
+    if early_cache.uses_plugin(early_config):
+        start(early_config)
+
+
+def start(config: pytest.Config) -> None:
+    """Share bytecode first where it is off, so that the zygote compiles nothing the driver has
+    compiled (`bytecode`); then follow the imports, in the serial driver or the controller."""
+    bytecode.share(config)
+    follower = follow_imports(config)
+    if follower is not None:
+        config.stash[FOLLOWER] = follower
 
 
 def follow_imports(config: pytest.Config) -> ImportFollower | None:
@@ -37,17 +62,19 @@ def follow_imports(config: pytest.Config) -> ImportFollower | None:
     controller = bool(getattr(known, "numprocesses", None) or getattr(known, "tx", None))
     if known.collectonly or (controller and getattr(known, "dist", None) != DIST_MODE):
         return None
+    from . import zygote_client  # here: every run imports this module, few follow
+
     session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
     log = os.path.join(session_dir, zygote_client.HOST_ZYGOTE_LOG)
     log = log if known.capture != "no" else None
     address = zygote_client.shared_address() if controller else None
     cuda = gpus_likely(known.megatron_devices)
 
-    def start(modules: list[str]) -> ZygoteClient:
+    def spawn(modules: list[str]) -> ZygoteClient:
         return zygote_client.spawn(with_base(modules), log, address, cuda)
 
     return ImportFollower(
-        start, preloadable_of(config), config.getini("megatron_preload"), session_dir
+        spawn, preloadable_of(config), config.getini("megatron_preload"), session_dir
     )
 
 

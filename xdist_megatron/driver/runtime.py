@@ -1,6 +1,11 @@
 """The driver's composition root: one per pytest process (serial driver, xdist worker or
 controller, rank session), holding its devices, its gang pool and zygote, its folders and what it
-will say in the terminal summary. Built in `pytest_configure`, found through `RUNTIME`.
+will say in the terminal summary. Built once the run is known to use the plugin (plugin.py),
+found through `RUNTIME`.
+
+Light to import, as pytest loads the plugin in every run and the Ctrl-C latch (interrupts.py)
+looks its Runtime up in every driver: the pool, the gangs, the zygote's client and the ranks'
+side load when a Runtime first needs them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -29,13 +35,14 @@ from ..protocol import (
     on_gang_rank,
     under_torchrun,
 )
-from ..ranks.inprocess import InProcessRank
-from . import preload, zygote_client
-from .gang import default_backend, detect_devices
+from . import preload
 from .import_follower import FOLLOWER
 from .locks import DeviceLocks
-from .pool import MODULE_SCOPE, SESSION_SCOPE, GangPool
-from .zygote_client import HOST_ZYGOTE_LOG, ZygoteClient
+
+if TYPE_CHECKING:
+    from ..ranks.inprocess import InProcessRank
+    from .pool import GangPool
+    from .zygote_client import ZygoteClient
 
 # pytest-cov off in a rank's session, its disabled plugin unregistered (it would fail no_cover).
 NO_COV = ("--no-cov", "-p", "no:_cov")
@@ -48,12 +55,11 @@ class Runtime:
         self.config = config
         # In a rank process (ours, or torchrun's) tests run right here.
         self.inprocess: InProcessRank | None = None
-        if on_gang_rank():
+        if on_gang_rank() or under_torchrun():
+            from ..ranks.inprocess import InProcessRank
             from ..ranks.rank import finish_line
 
-            self.inprocess = InProcessRank(config, finish_line)
-        elif under_torchrun():
-            self.inprocess = InProcessRank(config, None)
+            self.inprocess = InProcessRank(config, finish_line if on_gang_rank() else None)
         self.default_world_size = markers.default_world_size(
             config.getoption("megatron_world_size") or config.getini("megatron_world_size")
         )
@@ -63,6 +69,8 @@ class Runtime:
         self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
         if self._follower is not None:
             self._session_dir = self._follower.session_dir
+        from .pool import MODULE_SCOPE, SESSION_SCOPE
+
         scope = config.getini("megatron_gang_scope")
         if scope not in (SESSION_SCOPE, MODULE_SCOPE):
             raise pytest.UsageError(f"megatron_gang_scope must be session or module, got {scope!r}")
@@ -79,6 +87,8 @@ class Runtime:
         if self._devices is None and self.xdist:
             self._devices = placement.from_dict(self.xdist["devices"])
         if self._devices is None:
+            from .gang import detect_devices
+
             try:
                 detected = detect_devices(self.config.getoption("megatron_devices"))
             except ValueError as exc:
@@ -156,11 +166,26 @@ class Runtime:
         return self._session_dir
 
     @property
+    def host_zygote_log(self) -> str:
+        """Where the zygote the session's drivers share writes its output."""
+        from .zygote_client import HOST_ZYGOTE_LOG
+
+        return os.path.join(self.session_dir, HOST_ZYGOTE_LOG)
+
+    @property
     def lock_dir(self) -> str:
+        """--megatron-lock-dir; else the session's (the controller's, under xdist). An xdist
+        worker whose controller did not use the plugin (it found tests on gangs only now) has
+        no session of the workers' to share: it shares the user's folder of the host, so that
+        its workers' gangs still take turns on a device."""
         chosen = self.config.getoption("megatron_lock_dir")
         if chosen:
             return os.path.abspath(chosen)
-        return self.xdist["lock_dir"] if self.xdist else os.path.join(self.session_dir, "locks")
+        if self.xdist:
+            return self.xdist["lock_dir"]
+        if hasattr(self.config, "workerinput"):
+            return os.path.join(tempfile.gettempdir(), f"xdist-megatron-locks-{os.getuid()}")
+        return os.path.join(self.session_dir, "locks")
 
     @functools.cached_property
     def locks(self) -> DeviceLocks:
@@ -170,6 +195,9 @@ class Runtime:
     @property
     def pool(self) -> GangPool:
         if self._pool is None:
+            from .gang import default_backend
+            from .pool import GangPool
+
             self._pool = GangPool(
                 self.devices,
                 self.config.getoption("megatron_backend") or default_backend(self.devices),
@@ -180,7 +208,7 @@ class Runtime:
                 self.scope,
                 quiet_zygote=self.config.getoption("capture") != "no",
                 host_zygote=self.xdist.get("zygote") if self.xdist else None,
-                host_zygote_log=os.path.join(self.session_dir, HOST_ZYGOTE_LOG),
+                host_zygote_log=self.host_zygote_log,
                 name=getattr(self.config, "workerinput", {}).get("workerid"),
                 gangs_at_once=self.gangs_at_once(),
             )
@@ -201,10 +229,12 @@ class Runtime:
         if self._host_zygote is None:
             self._host_zygote = self.early_zygote()
         if self._host_zygote is None:
+            from . import zygote_client
+
             quiet = self.config.getoption("capture") != "no"
             self._host_zygote = zygote_client.spawn(
                 preload.known_early(self.config) or list(preload.ALWAYS_PRELOAD),
-                os.path.join(self.session_dir, HOST_ZYGOTE_LOG) if quiet else None,
+                self.host_zygote_log if quiet else None,
                 zygote_client.shared_address(),
                 self.devices.is_cuda,
             )
@@ -285,7 +315,7 @@ class Runtime:
         early = self.early_zygote()
         if any(WORLD_SIZE in item.stash for item in items):
             if early is not None:
-                self.pool.adopt(early, os.path.join(self.session_dir, HOST_ZYGOTE_LOG))
+                self.pool.adopt(early, self.host_zygote_log)
             self.pool.prestart()
             if self.worker == 0:  # one writer per session
                 preload.remember(self.config, self.preload())

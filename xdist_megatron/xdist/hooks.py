@@ -1,10 +1,9 @@
 """pytest-xdist integration: `--dist megatron`, `-n auto`, per-worker devices, the side channel.
 
-Loaded with the plugin (entry point or `-p xdist_megatron.plugin`), never from a conftest: xdist's
-`--dist` choices must be extended before the command line is parsed.
+Registered by plugin.py once the run is known to use the plugin. The `megatron` choice of
+`--dist` is plugin.py's: it must be there before the command line is parsed, in every run.
 
-PYTEST_DONT_REWRITE: plugin.py imports this module before pytest registers it as a plugin, which
-would warn that its asserts cannot be rewritten (it has none).
+PYTEST_DONT_REWRITE: it has no asserts, and may be imported before pytest registers it.
 """
 
 from __future__ import annotations
@@ -29,11 +28,6 @@ from ..driver.runtime import RUNTIME, gangs_per_device
 from ..protocol import DIST_MODE, INPUT_KEY, WORKER_VAR
 from .scheduler import MegatronScheduling
 
-DIST_HELP = (
-    "megatron: tests marked with a world size run on rank gangs, grouped by (module, world "
-    "size), largest first, on device blocks that at most --megatron-gangs-per-device gangs share "
-    "(xdist-megatron)."
-)
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
 LAUNCHER = Path(__file__).with_name("worker_launcher.py")
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -42,28 +36,6 @@ _draw = random.SystemRandom()  # not the global generator, which a plugin may ha
 
 AUTO_SERIAL = pytest.StashKey[str]()  # why -n auto started no workers, for the report header
 WORKER_INTERRUPTS = "xdist-megatron-worker-interrupts"
-_parser: pytest.Parser | None = None
-
-
-def add_dist_choice(parser: pytest.Parser) -> None:
-    """Add `megatron` to xdist's `--dist` choices, whichever of the two plugins loaded first."""
-    global _parser
-    _parser = parser
-    for group in parser._groups:
-        for option in group.options:
-            if "--dist" not in option.names():
-                continue
-            attrs = option.attrs()
-            choices = attrs.get("choices")
-            if choices is not None and DIST_MODE not in choices:
-                choices.append(DIST_MODE)
-                attrs["help"] = f"{attrs.get('help') or ''} {DIST_HELP}"
-                option.help = attrs["help"]  # older pytest rebuilds attrs() from this
-
-
-def pytest_plugin_registered(plugin: Any, plugin_name: str, manager: Any) -> None:
-    if _parser is not None and getattr(plugin, "__name__", None) == "xdist.plugin":
-        add_dist_choice(_parser)
 
 
 def requested(config: pytest.Config) -> bool:
