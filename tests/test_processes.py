@@ -527,8 +527,11 @@ def test_local():
     result = run_pytest("-s", "--megatron-timeout", "60", *xdist)
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*zygotes while the conftest imported: [[][0-9]*"])
-    unmarked_only = run_pytest("-s", "-k", "local", *xdist)
+    # an option of the plugin engages it before collection (without one, an unmarked run starts
+    # nothing: test_unused.py), so the zygote starts with torch and the run without gangs stops it
+    unmarked_only = run_pytest("-s", "-k", "local", "--megatron-timeout", "60", *xdist)
     assert unmarked_only.parseoutcomes()["passed"] == 1
+    unmarked_only.stdout.fnmatch_lines(["*zygotes while the conftest imported: [[][0-9]*"])
 
 
 def test_a_suite_that_never_imports_torch_starts_no_zygote(pytester, run_pytest):
