@@ -1,4 +1,4 @@
-"""The package's layers (README, "Architecture"): every import of ours, at the top of a module,
+"""The package's layers (docs/architecture.md): every import of ours, at the top of a module,
 inside a function or under TYPE_CHECKING, points into the same folder or a lower one; no import
 circle between modules; nothing in ranks/ reaches the driver or the controller; the pure modules
 import no torch, pytest or xdist; no module reads another module's private names."""
@@ -115,12 +115,12 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_layers_are_as_the_readme_lists_them() -> None:
+def test_the_layers_are_as_the_docs_list_them() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert folders == set(LAYERS) - {"top", "base"}
-    readme = (PACKAGE.parent / "README.md").read_text()
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     order = " > ".join(f"`{name}/`" for name in LAYERS if name not in ("top", "base"))
-    assert order in readme
+    assert order in docs
 
 
 def test_every_import_points_to_its_own_layer_or_a_lower_one() -> None:

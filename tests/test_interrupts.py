@@ -36,7 +36,7 @@ from conftest import assert_no_processes_left, processes_tagged, start_from_a_pl
 
 pytestmark = pytest.mark.alone  # each times an interrupt
 
-GONE_WITHIN = 1.0  # the README's promise: nothing of the run left a second after Ctrl-C
+GONE_WITHIN = 1.0  # README, Troubleshooting: nothing of the run is left a second after Ctrl-C
 SUMMARY = re.compile(r"^!+ KeyboardInterrupt.* !+$", re.MULTILINE)  # pytest's, at the end
 LANDED = re.compile(r"^(.+?):\d+: KeyboardInterrupt", re.MULTILINE)  # the line under it
 XDIST = ("-n", "2", "--dist", "megatron")
