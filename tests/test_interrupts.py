@@ -43,13 +43,14 @@ XDIST = ("-n", "2", "--dist", "megatron")
 LAUNCHER = b"worker_launcher.py"  # in the command line of a forked worker's stand-in
 ZYGOTE = b"xdist_megatron.ranks.zygote"  # in the zygote's command line, and its ranks'
 
-# A library the driver or the zygote imports slowly: it says so, then takes 30 s. The
+# A library the driver or the zygote imports slowly: it says so, then takes 30 s (or
+# SLOW_LIB_SECONDS, where a test signals only once the import is over). The
 # swallowing one drops the KeyboardInterrupt, as torch's C extension drops any error while it
 # imports numpy (where a Ctrl-C in the first second of a run tends to land).
 SLOW_LIBRARY = """
 import os, time
 open(os.path.join(os.environ["FACTS_DIR"], f"importing-{os.getpid()}"), "w").close()
-deadline = time.monotonic() + 30
+deadline = time.monotonic() + float(os.environ.get("SLOW_LIB_SECONDS", "30"))
 try:
     while time.monotonic() < deadline:
         time.sleep(0.05)
@@ -237,10 +238,14 @@ def test_ctrl_c_while_the_conftest_imports(pytester, facts, libraries, start, mo
 
 
 @MODES
-def test_ctrl_c_before_the_zygote_answers(pytester, facts, libraries, start, mode):
+def test_ctrl_c_before_the_zygote_answers(pytester, facts, libraries, start, monkeypatch, mode):
     """The first test waits for the zygote, still importing a slow preload: Ctrl-C kills it at
     once (the driver used to ask it to leave, which it reads only after its imports, and wait
-    5 s before killing it)."""
+    5 s before killing it). Under xdist a worker's first test starts once the zygote has
+    answered (the wait is the launcher's: test_ctrl_c_while_a_worker_waits_for_the_zygote), so
+    there the preload need not take its 30 s."""
+    if mode:
+        monkeypatch.setenv("SLOW_LIB_SECONDS", "2")
     pytester.makeini("[pytest]\nmegatron_preload = slow_lib\n")
     pytester.makeconftest(FACTS_CONFTEST)
     pytester.makepyfile(test_gang=GANG_TEST.replace("BODY_SECONDS", "0"))
