@@ -80,6 +80,24 @@ TORCHRUN_VARS = {
 }
 
 
+# For generated suites: the zygotes among a process's children (a driver's, a controller's).
+ZYGOTES_OF = """
+def zygotes_of(pid):
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if parent == pid and "xdist_megatron.ranks.zygote" in command:
+            found.append(int(entry))
+    return found
+"""
+
+
 def start_from_a_plain_shell(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs this test starts see no rank's, worker's or torchrun's variables (this suite may
     itself run on one), but keep the test's tag."""

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_gone, assert_no_processes_left
+from conftest import ZYGOTES_OF, assert_gone, assert_no_processes_left
 
 from xdist_megatron.driver.zygote_client import ZygoteClient
 from xdist_megatron.protocol import CUDA_AT_IMPORT
@@ -126,6 +126,20 @@ def test_passing_session_imports_lazily_and_leaves_nothing(pytester, run_pytest,
     assert_gone(gang_pids(facts))
 
 
+BLOCKING_WITH_A_CHILD = """
+import subprocess, sys, time
+import pytest
+from facts import record
+
+@pytest.mark.world_size(2)
+def test_blocks(rank):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    record("children", child=child.pid)
+    record("ranks", rank=rank)
+    time.sleep(600)
+"""
+
+
 SPAWNS_HELPERS = """
 import atexit
 import multiprocessing
@@ -231,10 +245,10 @@ def test_rank_entry_point_imports_no_test_code(pytester, facts_dir):
 
 
 def start_blocked_session(
-    pytester: pytest.Pytester, facts_dir: Path, *args: str
+    pytester: pytest.Pytester, facts_dir: Path, *args: str, module: str = BLOCKING
 ) -> subprocess.Popen:
     """pytest in a subprocess, returned once both ranks of its ws2 test are inside the test."""
-    pytester.makepyfile(test_block=BLOCKING)
+    pytester.makepyfile(test_block=module)
     process = subprocess.Popen(
         [
             sys.executable,
@@ -268,6 +282,19 @@ def test_sigkill_of_the_driver_takes_the_gang_down(pytester, tag, facts_dir):
     process.communicate()
     assert_no_processes_left(tag, within=5)
     assert_gone(gang_pids(read_facts(facts_dir, "ranks")))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_killed_driver_takes_the_processes_its_tests_started(pytester, tag, facts_dir, signum):
+    """`timeout` ends pytest with SIGTERM, a CI runner with SIGKILL: the zygote, left without
+    its owner, ends the process groups of its ranks, so what their tests started goes too."""
+    process = start_blocked_session(pytester, facts_dir, module=BLOCKING_WITH_A_CHILD)
+    os.kill(process.pid, signum)
+    process.communicate()
+    children = {fact["child"] for fact in read_facts(facts_dir, "children")}
+    assert len(children) == 2
+    assert_gone(children)
+    assert_no_processes_left(tag, within=5)
 
 
 def test_sigkill_of_the_xdist_controller_takes_workers_zygote_and_ranks_down(
@@ -430,22 +457,6 @@ def test_where_imported():
     )
     run_pytest("--megatron-timeout", "60").assert_outcomes(passed=1)
 
-
-ZYGOTES_OF = """
-def zygotes_of(pid):
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == pid and "xdist_megatron.ranks.zygote" in command:
-            found.append(int(entry))
-    return found
-"""
 
 EARLY_SUITE = f"""
 import os

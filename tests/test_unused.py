@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ZYGOTES_OF
 
 NO_PLUGIN = ("-p", "no:xdist_megatron.plugin")
 # The driver's and the ranks' side, the controller's: imported only by a run that uses them.
@@ -153,34 +154,21 @@ def test_a_plain_suite_runs_as_without_the_plugin(pytester, run_pytest, monkeypa
     assert [line for line in mentions if not line.startswith("plugins:")] == []
 
 
-MARKED_TESTS = """
+MARKED_TESTS = f"""
 import os
 import time
 
 import pytest
 
 
-def zygotes():
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == os.getpid() and "xdist_megatron.ranks.zygote" in command:
-            found.append(int(entry))
-    return found
-
+{ZYGOTES_OF}
 
 def at_import():
     # Only the driver imports this module before its tests run; a rank has RANK set.
     deadline = time.monotonic() + (30 if os.environ.get("EXPECT_EARLY") else 0)
-    while not zygotes() and time.monotonic() < deadline:
+    while not zygotes_of(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return zygotes()
+    return zygotes_of(os.getpid())
 
 
 AT_IMPORT = None if "RANK" in os.environ else at_import()

@@ -36,6 +36,7 @@ import traceback
 import types
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
@@ -657,24 +658,28 @@ def _die_with_zygote() -> None:
         pass
 
 
-def _exit_with_owner() -> None:
+def _exit_with_owner(children: Callable[[], set[int]]) -> None:
     """The owner's socket is read only between imports, and importing megatron.core takes tens
     of seconds on a loaded host: an owner killed meanwhile (SIGKILL, or a second Ctrl-C cutting
     its cleanup short) must not leave the zygote importing on. A thread ends the zygote as soon
-    as the owner is gone (this process re-parented); its ranks die with it (PR_SET_PDEATHSIG).
+    as the owner is gone (this process re-parented), and first the process groups of its
+    `children`: its ranks would die with it (PR_SET_PDEATHSIG), but not what their tests started.
     Forks carry only the forking thread, so ranks have none."""
     owner = os.getppid()
 
     def watch() -> None:
         while os.getppid() == owner:
             time.sleep(OWNER_POLL)
+        for leader in set(children()):
+            _end_process_group(leader)
         os._exit(1)
 
     threading.Thread(target=watch, name="xdist-megatron-owner", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
-    _exit_with_owner()
+    zygote: Zygote | None = None
+    _exit_with_owner(lambda: zygote.children if zygote is not None else set())
     fd = int(argv[1])
     options = json.loads(argv[2])
     # Compile as the driver does: where it shares a bytecode folder (driver/bytecode.py), its
