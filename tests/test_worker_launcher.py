@@ -111,7 +111,9 @@ def test_one_ctrl_c_reaching_the_launcher_twice_reaches_the_worker_once(zygote) 
     process = launch(zygote.address, COUNTS_CTRL_C, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert process.stdout.readline().strip() == "up"
     time.sleep(0.5)  # the launcher passes signals on once it has heard of the fork
-    for pause in (0.1, SAME_CTRL_C + 1.0, 0):
+    # the last pause lets the launcher pass the second Ctrl-C on before the worker is asked to
+    # report (on a loaded machine its handler ran after the report line had been read)
+    for pause in (0.1, SAME_CTRL_C + 1.0, 1.0):
         process.send_signal(signal.SIGINT)
         time.sleep(pause)
     out, _ = process.communicate("report\n", timeout=30)
