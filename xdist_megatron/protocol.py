@@ -20,6 +20,9 @@ import pytest
 # --- environment variables ---------------------------------------------------------------------
 
 # In the zygote's environment and its ranks': the zygote's pid (a rank knows it is one by it).
+# The package's folder: frames and stack lines under it are the plugin's, folded or cut from what
+# a user is shown of a failure, a timeout or an interrupt.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"
 DEVICE_COUNT_VAR = "XDIST_MEGATRON_DEVICE_COUNT"  # the driver's, so ranks resolve "all" alike
 DEVICES_VAR = "XDIST_MEGATRON_DEVICES"  # the gang's block of devices ("2,3"), on every rank

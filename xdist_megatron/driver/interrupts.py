@@ -28,7 +28,6 @@ have had it.
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import threading
 from collections.abc import Generator
@@ -36,11 +35,10 @@ from types import CodeType, FrameType, TracebackType
 
 import pytest
 
-from ..protocol import on_gang_rank, under_torchrun
+from ..protocol import PACKAGE_DIR, on_gang_rank, under_torchrun
 from .runtime import RUNTIME
 
 PLUGIN_NAME = "xdist-megatron-interrupts"
-PACKAGE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # xdist_megatron/
 
 
 class Latch:

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import _pytest
 import pluggy
 
+from ..protocol import PACKAGE_DIR
+
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _HARNESS_DIRS = (
     os.path.dirname(_pytest.__file__) + os.sep,
     os.path.dirname(pluggy.__file__) + os.sep,
-    # The whole package (ranks/: the zygote, the rank loop, its watch thread), not only driver/.
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    PACKAGE_DIR,  # the whole package (ranks/: the zygote, the rank loop, its watch thread)
 )
 _THREADING = os.sep + "threading.py"
 

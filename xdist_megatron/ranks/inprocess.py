@@ -19,12 +19,11 @@ import pluggy
 import pytest
 from _pytest._code import Traceback
 
-from ..protocol import LAYOUT, WORLD_SIZE, RankInfo, module_of, under_torchrun
+from ..protocol import LAYOUT, PACKAGE_DIR, WORLD_SIZE, RankInfo, module_of, under_torchrun
 from . import agreement, megatron_layout
 from .holdings import ScopeHoldings
 
 PLUGIN_NAME = "xdist-megatron-rank"
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _PLUGGY_DIR = os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep
 
 
@@ -254,7 +253,7 @@ def _without_passing_frames(tb: TracebackType) -> TracebackType | None:
         tb = tb.tb_next
     kept: list[TracebackType] = []
     for entry, inner in itertools.pairwise([*entries, None]):
-        if inner is not None and _in(entry, _PACKAGE_DIR) and _in(inner, _PLUGGY_DIR):
+        if inner is not None and _in(entry, PACKAGE_DIR) and _in(inner, _PLUGGY_DIR):
             if kept and _in(kept[-1], _PLUGGY_DIR):
                 kept.pop()
         else:
