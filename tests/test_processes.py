@@ -297,6 +297,48 @@ def test_a_killed_driver_takes_the_processes_its_tests_started(pytester, tag, fa
     assert_no_processes_left(tag, within=5)
 
 
+HOLDS_THE_ZYGOTE_SOCKET = """
+import os, time
+from facts import record
+
+def pytest_runtest_logstart(nodeid, location):
+    if "RANK" in os.environ:  # the driver's hook only
+        return
+    pid = os.fork()  # as a fixture's fork-started server would: it holds every fd of the driver
+    if pid == 0:  # it keeps the socket, not the output pipes the outer test reads to their end
+        try:
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                        os.close(int(fd))
+                except OSError:
+                    pass
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    record("holders", holder=pid)
+"""
+
+
+def test_a_driver_killed_while_another_process_holds_its_zygote_socket(pytester, tag, facts_dir):
+    """A process the driver forked (a fixture's server) keeps the driver's end of the zygote's
+    socket open: SIGKILL of the driver then reaches the zygote only as its new parent, and the
+    zygote still ends its ranks' process groups, so what their tests started goes too."""
+    pytester.makeconftest(CONFTEST + HOLDS_THE_ZYGOTE_SOCKET)
+    process = start_blocked_session(pytester, facts_dir, module=BLOCKING_WITH_A_CHILD)
+    holders = {fact["holder"] for fact in read_facts(facts_dir, "holders")}
+    try:
+        os.kill(process.pid, signal.SIGKILL)
+        process.communicate()
+        children = {fact["child"] for fact in read_facts(facts_dir, "children")}
+        assert len(children) == 2
+        assert_gone(children)
+    finally:
+        for holder in holders:
+            os.kill(holder, signal.SIGKILL)
+    assert_no_processes_left(tag, within=5)
+
+
 def test_sigkill_of_the_xdist_controller_takes_workers_zygote_and_ranks_down(
     pytester, tag, facts_dir
 ):
