@@ -329,7 +329,7 @@ def test_a_driver_killed_while_another_process_holds_its_zygote_socket(pytester,
     holders = {fact["holder"] for fact in read_facts(facts_dir, "holders")}
     try:
         os.kill(process.pid, signal.SIGKILL)
-        process.communicate()
+        process.communicate(timeout=60)
         children = {fact["child"] for fact in read_facts(facts_dir, "children")}
         assert len(children) == 2
         assert_gone(children)
