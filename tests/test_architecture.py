@@ -17,7 +17,7 @@ PACKAGE = Path(xdist_megatron.__file__).parent
 NAME = PACKAGE.name
 # Top to bottom. The modules beside plugin.py (protocol, markers, layouts, placement,
 # sidechannel) are the bottom layer, "base"; plugin.py and __init__.py sit above everything.
-LAYERS = ("top", "xdist", "report", "driver", "ci", "ranks", "coverage", "base")
+LAYERS = ("top", "xdist", "report", "harnesses", "driver", "ci", "ranks", "coverage", "base")
 TOP_MODULES = {NAME, f"{NAME}.plugin"}
 PURE = {
     f"{NAME}.placement",

@@ -23,6 +23,7 @@ import pytest
 from . import layouts, markers
 from .ci import durations, early_cache, selection
 from .driver.timeouts import DEFAULT_TIMEOUT
+from .harnesses import pytorch as pytorch_harness
 from .protocol import DIST_MODE, INPUT_KEY, on_gang_rank
 from .report import run_report
 
@@ -97,6 +98,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "lock folder; -n auto starts K workers per device (default: ini "
         "megatron_gangs_per_device, 1).",
     )
+    group.addoption(
+        "--megatron-harnesses",
+        choices=pytorch_harness.MODES,
+        default=None,
+        help="auto: tests of harnesses that spawn processes per test (PyTorch's "
+        "MultiProcessTestCase family) run their children's part on gangs; off: they spawn as "
+        "without the plugin (default: ini megatron_harnesses, auto).",
+    )
     selection.add_options(group, parser)
     durations.add_options(group, parser)
     run_report.add_options(group)
@@ -112,6 +121,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "torch.distributed and the library packages the driver imports, as it imports them)",
         type="linelist",
     )
+    parser.addini("megatron_harnesses", "default of --megatron-harnesses", default="auto")
     parser.addini(
         "megatron_gang_scope",
         "session: one gang per world size for the session, reset at module boundaries; "
@@ -179,9 +189,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     role = config.stash.get(_ROLE, None)
     if role is None:
-        if not any(_marked(item) or _requests_rank_fixture(item) for item in items):
+        if not any(_marked(item) or _requests_rank_fixture(item) for item in items) and not any(
+            pytorch_harness.recognised(item) for item in items
+        ):
             return
         role = _engage(config, follow=True)
+    from .driver.runtime import RUNTIME
+
+    pytorch_harness.assign(config, items, config.stash[RUNTIME])
     role.assign(config, items)
 
 

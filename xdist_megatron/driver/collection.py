@@ -8,7 +8,7 @@ import pytest
 
 from .. import layouts, markers
 from ..ci import selection
-from ..protocol import ITEMS, LAYOUT, WORLD_SIZE, on_gang_rank
+from ..protocol import HARNESS, ITEMS, LAYOUT, WORLD_SIZE, on_gang_rank
 from .runtime import Runtime
 
 
@@ -45,6 +45,8 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
     tests, and under xdist tell the controller what it needs to schedule them."""
     config.stash[ITEMS] = items
     for item in items:
+        if HARNESS in item.stash:  # its harness gave it its world size
+            continue
         world_size = markers.item_world_size(
             item, lambda: runtime.device_count, runtime.default_world_size
         )

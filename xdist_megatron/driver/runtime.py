@@ -26,6 +26,7 @@ from .. import markers, placement, sidechannel
 from ..placement import DeviceSet
 from ..protocol import (
     DEVICE_COUNT_VAR,
+    HARNESS,
     INPUT_KEY,
     ITEMS,
     WORLD_SIZE,
@@ -109,13 +110,15 @@ class Runtime:
 
     def runs_on_ranks(self, item: pytest.Item) -> bool:
         """A test this driver sends to a gang: it has a world size that fits the devices, and
-        does not request the `gang` fixture (whose test body stays here)."""
+        does not request the `gang` fixture or belong to a spawn harness (whose test body stays
+        here)."""
         world_size = item.stash.get(WORLD_SIZE, None)
         return (
             world_size is not None
             and self.inprocess is None
             and isinstance(item, pytest.Function)
             and "gang" not in item.fixturenames
+            and HARNESS not in item.stash
             and world_size <= self.devices.count
         )
 

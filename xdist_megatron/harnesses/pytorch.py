@@ -1,0 +1,291 @@
+"""PyTorch's `MultiProcessTestCase` family on gangs: the parent's side in the driver, the
+children's on the ranks.
+
+Under plain pytest the test case's `setUp` spawns `world_size` fresh interpreters
+(`_start_processes`), the test method's wrapper waits for them (`_join_processes`) and
+`_check_return_codes` turns their exit codes into the verdict: code 10 a failure with the
+tracebacks they sent, rank 0's code from `TEST_SKIPS` a skip, anything but 0 (or what
+`special_return_code_checks` expects) a failure. Here the harness's own classes are patched
+where they define those two methods, so that subclasses and names imported earlier see it:
+`_start_processes` only notes that children were asked for, and `_join_processes` runs what each
+child would have run (`pytorch_child.run_child`) on a gang of the test's world size, then hands
+the exit codes and tracebacks to the harness's own `_check_return_codes`. setUp, tearDown,
+fixtures and the verdict stay in the driver, once. A test whose exit code is itself checked
+(`skip_return_code_checks`, `special_return_code_checks`) spawns as before.
+
+Nothing of `torch.testing._internal` is imported here: the harness is recognised only where the
+suite itself imported it (DESIGN, invariant 6).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .. import markers
+from ..protocol import HARNESS, PASSED, WORLD_SIZE, CallJob, CleanupJob, RankResult, module_of
+
+if TYPE_CHECKING:
+    from ..driver.runtime import Runtime
+
+NAME = "PyTorch MultiProcessTestCase"
+HARNESS_MODULE = "torch.testing._internal.common_distributed"
+BASE_CLASS = "MultiProcessTestCase"
+PATCHED = ("_start_processes", "_join_processes")
+USED = (*PATCHED, "_check_return_codes", "_run", "_current_test_name")
+MODES = ("auto", "off")
+PENDING = "_xdist_megatron_pending_spawn"  # on a test case: the spawn its setUp asked for
+
+
+class HarnessError(RuntimeError):
+    """A rank of the test's gang died, hung or failed outside the child's own code."""
+
+
+def mode(config: pytest.Config) -> str:
+    """--megatron-harnesses, else ini megatron_harnesses: auto (default) or off."""
+    value = config.getoption("megatron_harnesses") or config.getini("megatron_harnesses")
+    if value not in MODES:
+        raise pytest.UsageError(f"--megatron-harnesses must be auto or off, got {value!r}")
+    return value
+
+
+def harness_base() -> type | None:
+    """The harness's base class, where the suite imported it."""
+    base = getattr(sys.modules.get(HARNESS_MODULE), BASE_CLASS, None)
+    return base if isinstance(base, type) else None
+
+
+def test_class(item: pytest.Item) -> type | None:
+    """The test case class of a unittest item of the harness family; None for any other."""
+    base = harness_base()
+    cls = getattr(item, "cls", None)
+    if base is None or not isinstance(cls, type) or not issubclass(cls, base):
+        return None
+    return cls if type(item).__name__ == "TestCaseFunction" else None
+
+
+def recognised(item: pytest.Item) -> bool:
+    return test_class(item) is not None and mode(item.config) == "auto"
+
+
+def mismatch() -> str | None:
+    """Why this torch's harness cannot be adapted (a method it no longer has), or None."""
+    base = harness_base()
+    missing = [name for name in USED if base is None or not hasattr(base, name)]
+    return f"{NAME} lacks {', '.join(missing)}" if missing else None
+
+
+def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) -> None:
+    """Give each of the harness's tests the world size it spawns (its `world_size`, read from a
+    test case as its parent would make it), where that fits the run's devices; install the
+    adapter once in this driver. A test that does not fit spawns as before."""
+    if runtime.inprocess is not None or mode(config) == "off":
+        return
+    if not any(test_class(item) is not None for item in items):
+        return
+    why_not = mismatch()
+    adapter = _installed(config, runtime)
+    if why_not is not None:
+        adapter.notes.append(f"{why_not}: its tests spawn their own processes, as without us")
+        return
+    for item in items:
+        cls = test_class(item)
+        if cls is None:
+            continue
+        world_size = _world_size(cls, item.name)
+        if world_size is None or world_size > runtime.devices.count:
+            adapter.unfit += 1
+            continue
+        item.stash[WORLD_SIZE] = world_size
+        item.stash[HARNESS] = NAME
+        adapter.on_gangs += 1
+
+
+def _world_size(cls: type, method: str) -> int | None:
+    try:
+        return int(cls(method).world_size)
+    except Exception:
+        return None
+
+
+def _installed(config: pytest.Config, runtime: Runtime) -> PyTorchHarness:
+    global _active
+    adapter = config.stash.get(ADAPTER, None)
+    if adapter is None:
+        adapter = config.stash[ADAPTER] = _active = PyTorchHarness(runtime)
+        config.pluginmanager.register(adapter, "xdist-megatron-pytorch-harness")
+        config.add_cleanup(_deactivate)
+        if mismatch() is None:
+            _patch(harness_base())
+    return adapter
+
+
+def _deactivate() -> None:
+    """The run ended: a test case run after it (pytester in-process) spawns as without us."""
+    global _active
+    _active = None
+
+
+class PyTorchHarness:
+    """The driver's adapter: which test runs now, and what the collection summary says."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.item: pytest.Item | None = None
+        self.on_gangs = 0  # tests collected to run on gangs
+        self.unfit = 0  # collected, but their world size does not fit the run's devices
+        self.fallbacks: Counter[str] = Counter()  # tests that spawned anyway, and why
+        self.notes: list[str] = []
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, Any, Any]:
+        self.item = item if HARNESS in item.stash else None
+        try:
+            return (yield)
+        finally:
+            self.item = None
+
+    def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
+        lines = [f"xdist-megatron: {self.summary()}"] if self.on_gangs or self.unfit else []
+        return lines + [f"xdist-megatron: {note}" for note in self.notes]
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.fallbacks:
+            reasons = ", ".join(f"{n} {why}" for why, n in sorted(self.fallbacks.items()))
+            terminalreporter.line(f"xdist-megatron: {NAME} tests that spawned: {reasons}")
+
+    def summary(self) -> str:
+        text = f"{NAME}: {self.on_gangs} tests on gangs"
+        if self.unfit:
+            text += f", {self.unfit} spawn their own processes (world size over the devices)"
+        return text
+
+    def takes(self, case: Any) -> bool:
+        """Whether `case` is the test that runs now on a gang (not a test case that one of the
+        suite's tests builds and runs itself)."""
+        item = self.item
+        return item is not None and isinstance(case, item.cls) and case._testMethodName == item.name
+
+    def run(self, case: Any, fn: Callable[[], None]) -> None:
+        """Every child's part on the ranks of the test's gang, then the harness's verdict."""
+        item = self.item
+        assert item is not None
+        from torch.testing._internal.common_distributed import get_timeout  # the suite's import
+
+        from .pytorch_child import run_child  # what a rank imports: not in runs without harnesses
+
+        world_size = int(case.world_size)
+        cls = type(case)
+        arguments = (
+            cls.__module__,
+            cls.__qualname__,
+            case._current_test_name(),
+            case.file_name,
+            dict(os.environ),
+            {"fake_pg": getattr(case, "fake_pg", False)},
+        )
+        main_path = getattr(sys.modules["__main__"], "__file__", None)
+        job = CallJob(pickle.dumps((run_child, arguments, {})), list(sys.path), main_path)
+        pool = self.runtime.pool
+        module = module_of(item.nodeid)
+        exclusive = markers.is_exclusive(item)
+        started = time.time()
+        results = pool.execute(world_size, module, job, float(get_timeout(case.id())), exclusive)
+        _show_output(results)
+        failed = [result for result in results if result.outcome != PASSED]
+        if not failed:
+            cleanup = pool.execute(world_size, module, CleanupJob(), 60.0, exclusive)
+            failed = [result for result in cleanup if result.outcome != PASSED]
+            _show_output(cleanup)
+        if failed:
+            raise HarnessError("\n".join(_failure(result) for result in failed))
+        case.processes = [_Exited(value[2], value[0]) for value in _values(results)]
+        case.pid_to_pipe = {value[2]: _Sent(value[1]) for value in _values(results)}
+        case._check_return_codes(fn, time.time() - started)
+
+
+ADAPTER = pytest.StashKey[PyTorchHarness]()
+_active: PyTorchHarness | None = None  # this process's run's adapter, where it has one
+
+
+def _patch(base: Any) -> None:
+    """Replace the harness's two methods on its own class (once per process)."""
+    if getattr(base, PENDING, False):
+        return
+    start, join = base._start_processes, base._join_processes
+
+    def _start_processes(self: Any, proc: Any) -> None:
+        adapter = _current()
+        if adapter is None or not adapter.takes(self):
+            return start(self, proc)
+        self.processes = []
+        setattr(self, PENDING, proc)  # spawned at the join, should the test need its own
+
+    def _join_processes(self: Any, fn: Callable[[], None]) -> None:
+        proc = self.__dict__.pop(PENDING, None)
+        adapter = _current()
+        if proc is None or adapter is None:
+            return join(self, fn)
+        if fn in self.skip_return_code_checks or fn in self.special_return_code_checks:
+            adapter.fallbacks["check their exit codes"] += 1
+            start(self, proc)
+            return join(self, fn)
+        return adapter.run(self, fn)
+
+    base._start_processes, base._join_processes = _start_processes, _join_processes
+    setattr(base, PENDING, True)
+
+
+def _current() -> PyTorchHarness | None:
+    return _active
+
+
+@dataclass
+class _Exited:
+    """What the harness reads of a child process that has ended."""
+
+    pid: int
+    exitcode: int
+
+    def terminate(self) -> None:
+        """tearDown ends the children it spawned; a rank outlives the test."""
+
+
+@dataclass
+class _Sent:
+    """The parent's end of a child's pipe: the traceback the child sent, if it sent one."""
+
+    message: str | None
+
+    def recv(self) -> str:
+        return self.message or ""
+
+    def close(self) -> None:
+        pass
+
+
+def _values(results: list[RankResult]) -> list[tuple[int, str | None, int]]:
+    return [result.value for result in sorted(results, key=lambda result: result.rank)]
+
+
+def _show_output(results: list[RankResult]) -> None:
+    """The children's output, where a spawned child's would go: the driver's, which pytest
+    captures for the test's report."""
+    for result in sorted(results, key=lambda result: result.rank):
+        if result.stdout:
+            sys.stdout.write(result.stdout)
+        if result.stderr:
+            sys.stderr.write(result.stderr)
+
+
+def _failure(result: RankResult) -> str:
+    detail = result.longrepr if result.longrepr not in (None, result.message) else ""
+    return f"rank {result.rank}: {result.message}\n{detail}".rstrip()

@@ -1,0 +1,137 @@
+"""On a rank: what one child spawned by PyTorch's `MultiProcessTestCase` would run, in the state
+a freshly spawned child starts from.
+
+A spawned child inherits its parent's environment, imports the test module afresh and creates
+the default process group itself (from the parent's rendezvous file). A rank keeps the modules it
+imported and has its gang's default group, so before the child's part runs: the parent's
+environment replaces the rank's (the rank's devices and the plugin's own variables stay), the
+gang's default group is taken down (the per-job cleanup restores it afterwards), and the plain
+values of the test module's and the harness's module and class attributes are put back to what
+they were when this rank first imported them (a barrier counter such as
+`distributed_test.Barrier.barrier_id` would otherwise drift between ranks after a failure and hang
+the next test). The child's exit code is its verdict, as for the harness's parent:
+`TestDistBackend._run` ends every passing test with `sys.exit(0)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import traceback
+import types
+from multiprocessing.connection import Pipe
+from typing import Any
+
+from ..protocol import ZYGOTE_VAR
+from ..ranks.rank import rank_info
+
+HARNESS_PACKAGE = "torch.testing._internal"
+KEPT_VARIABLES = ("CUDA_VISIBLE_DEVICES", ZYGOTE_VAR)
+KEPT_PREFIXES = ("XDIST_MEGATRON_",)
+PLAIN_TYPES = (int, float, str, bytes, bool, type(None), tuple, frozenset)
+
+_first_seen: dict[str, dict[str, Any]] = {}  # module or class -> its plain attributes
+
+
+def run_child(
+    module_name: str,
+    class_name: str,
+    test_name: str,
+    file_name: str,
+    environ: dict[str, str],
+    kwargs: dict[str, Any],
+) -> tuple[int, str | None, int]:
+    """`cls._run(rank, test_name, file_name, pipe, **kwargs)` as a spawned child runs it; its
+    exit code, the traceback it sent its parent (if any) and the pid that ran it."""
+    import torch.distributed as dist
+
+    rank = rank_info().rank
+    own_environ = dict(os.environ)
+    _take_environment(environ, own_environ)
+    try:
+        module = importlib.import_module(module_name)
+        _start_fresh(module)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parent_end, child_end = Pipe()
+        try:
+            test_case = functools.reduce(getattr, class_name.split("."), module)
+            test_case._run(rank, test_name, file_name, child_end, **kwargs)
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc.code)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # what escapes `run_test` ends a child with Python's code 1
+            traceback.print_exc()
+            code = 1
+        sent = _received(parent_end)
+        parent_end.close()
+        return code, sent, os.getpid()
+    finally:  # what a child's exit takes with it: every group it made (no collective: a peer
+        if dist.is_initialized():  # that failed left its own undestroyed)
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(own_environ)
+
+
+def _take_environment(parent: dict[str, str], own: dict[str, str]) -> None:
+    kept = {
+        name: value
+        for name, value in own.items()
+        if name in KEPT_VARIABLES or name.startswith(KEPT_PREFIXES)
+    }
+    os.environ.clear()
+    os.environ.update(parent)
+    os.environ.update(kept)
+
+
+def _received(connection: Any) -> str | None:
+    """What the child sent its parent before it closed its end: the traceback of a failure."""
+    try:
+        return connection.recv() if connection.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+def _exit_code(code: object) -> int:
+    """As the interpreter turns `sys.exit(code)` into a process's exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _start_fresh(test_module: types.ModuleType) -> None:
+    """Put back the plain values (numbers, strings, tuples) of the attributes of the test
+    module, the harness's modules and their classes, as this rank first saw them."""
+    modules = [test_module] + [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith(HARNESS_PACKAGE) and isinstance(module, types.ModuleType)
+    ]
+    for module in modules:
+        _restore(module.__name__, module)
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                _restore(f"{module.__name__}:{value.__qualname__}", value)
+
+
+def _restore(key: str, owner: Any) -> None:
+    first = _first_seen.get(key)
+    if first is None:
+        _first_seen[key] = {
+            name: value for name, value in vars(owner).items() if isinstance(value, PLAIN_TYPES)
+        }
+        return
+    current = vars(owner)
+    for name, value in first.items():
+        if current.get(name, _MISSING) is not value:
+            setattr(owner, name, value)
+
+
+_MISSING = object()
