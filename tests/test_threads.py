@@ -4,6 +4,7 @@ share of them; OMP_NUM_THREADS set by the user wins everywhere."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -33,8 +34,10 @@ def test_pair(rank):
 """
 
 
+@functools.cache
 def fresh_threads(omp: str | None = None) -> int:
-    """torch's thread count in a fresh process with OMP_NUM_THREADS `omp` (None: unset)."""
+    """torch's thread count in a fresh process with OMP_NUM_THREADS `omp` (None: unset). Each
+    asks a process that imports torch: asked once per value, as the answer cannot change."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update({"OMP_NUM_THREADS": omp} if omp else {})
     command = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
