@@ -61,21 +61,6 @@ def _facts(folder) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
 
 
-def test_layout_is_kept_for_tests_of_the_same_layout(pytester, run_pytest, tmp_path, monkeypatch):
-    """Consecutive tests of one layout share its process groups; another layout, a test without
-    one and the next module each get the state they ask for."""
-    monkeypatch.setenv("FACTS", str(tmp_path))
-    pytester.makepyfile(test_a_layouts=LAYOUT_SUITE, test_b_next=NEXT_MODULE)
-    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=7)
-    facts = _facts(tmp_path)
-    for rank in (0, 1):
-        kept = {facts[f"tp2-{i}-{rank}"]["tp_group"] for i in range(3)}
-        assert len(kept) == 1, "one tp=2 initialisation serves the three tests"
-        assert facts[f"pp2-{rank}"]["pp"] == 2 and facts[f"pp2-{rank}"]["tp"] == 1
-        assert facts[f"tp2-again-{rank}"]["tp_group"] not in kept, "a layout change rebuilds"
-        assert facts[f"tp2-again-{rank}"]["pid"] == facts[f"tp2-0-{rank}"]["pid"]
-
-
 FAILING_LAYOUT_SUITE = (
     LAYOUT_SUITE.split("@pytest.mark.world_size")[0]
     + """
@@ -95,27 +80,48 @@ def test_the_next_test_of_the_layout_gets_a_fresh_one():
 )
 
 
-@pytest.mark.parametrize("mode", ["serial", "xdist", "torchrun"])
-def test_a_failed_test_does_not_hand_its_layout_on(
-    pytester, run_pytest, tmp_path, monkeypatch, tag, mode
-):
-    """A test that fails, here on one rank only, may leave its layout half-changed: the next test
-    of that layout gets it built again (on every rank alike, or the ranks' group creations would
-    not meet), on the same gang; under torchrun too."""
-    monkeypatch.setenv("FACTS", str(tmp_path))
-    pytester.makepyfile(test_fails=FAILING_LAYOUT_SUITE)
-    if mode == "torchrun":
-        output = torchrun_pytest(pytester, expect_rc=1)
-        assert "2 passed" in output and "1 failed, 1 passed" in output, output
-        assert_no_processes_left(tag)
-    else:
-        xdist = ["-n", "2", "--dist", "megatron"] if mode == "xdist" else []
-        run_pytest("--megatron-timeout", "60", *xdist).assert_outcomes(passed=1, failed=1)
-    facts = _facts(tmp_path)
+def assert_rebuilt_after_the_failure(facts: dict[str, dict]) -> None:
     for rank in (0, 1):
         spoilt, after = facts[f"spoilt-{rank}"], facts[f"next-{rank}"]
         assert after["tp_group"] != spoilt["tp_group"], "the failed test's layout was kept"
         assert after["pid"] == spoilt["pid"], "an ordinary failure keeps the gang"
+
+
+def test_layout_is_kept_for_tests_of_the_same_layout_and_rebuilt_after_a_failure(
+    pytester, run_pytest, tmp_path, monkeypatch
+):
+    """Consecutive tests of one layout share its process groups; another layout, a test without
+    one and the next module each get the state they ask for. A test that fails, here on one rank
+    only, may leave its layout half-changed: the next test of that layout (test_c_fails, a module
+    of its own) gets it built again, on every rank alike (or the ranks' group creations would
+    not meet), on the same gang. The ranks agree through the driver's store, as they do in an
+    xdist worker (a driver too); under torchrun, through the default group's (next test)."""
+    monkeypatch.setenv("FACTS", str(tmp_path))
+    pytester.makepyfile(
+        test_a_layouts=LAYOUT_SUITE, test_b_next=NEXT_MODULE, test_c_fails=FAILING_LAYOUT_SUITE
+    )
+    run_pytest("--megatron-timeout", "60").assert_outcomes(passed=8, failed=1)
+    facts = _facts(tmp_path)
+    for rank in (0, 1):
+        kept = {facts[f"tp2-{i}-{rank}"]["tp_group"] for i in range(3)}
+        assert len(kept) == 1, "one tp=2 initialisation serves the three tests"
+        assert facts[f"pp2-{rank}"]["pp"] == 2 and facts[f"pp2-{rank}"]["tp"] == 1
+        assert facts[f"tp2-again-{rank}"]["tp_group"] not in kept, "a layout change rebuilds"
+        assert facts[f"tp2-again-{rank}"]["pid"] == facts[f"tp2-0-{rank}"]["pid"]
+    assert_rebuilt_after_the_failure(facts)
+
+
+def test_a_failed_test_does_not_hand_its_layout_on_under_torchrun(
+    pytester, tmp_path, monkeypatch, tag
+):
+    """As above, in the torchrun passthrough: the ranks agree through the default group's store
+    (only while a layout is kept)."""
+    monkeypatch.setenv("FACTS", str(tmp_path))
+    pytester.makepyfile(test_fails=FAILING_LAYOUT_SUITE)
+    output = torchrun_pytest(pytester, expect_rc=1)
+    assert "2 passed" in output and "1 failed, 1 passed" in output, output
+    assert_no_processes_left(tag)
+    assert_rebuilt_after_the_failure(_facts(tmp_path))
 
 
 BUILD_FAILS_ON_RANK_1 = """
