@@ -122,9 +122,9 @@ def missed_lines(path: str) -> dict[str, list[int]]:
     return {name: info["missing_lines"] for name, info in files.items()}
 
 
-@pytest.mark.parametrize("xdist", [(), ("-n", "2", "--dist", "megatron")], ids=["serial", "xdist"])
-def test_rank_lines_are_measured(suite: pytest.Pytester, run_pytest, xdist: tuple) -> None:
+def test_rank_lines_are_measured_under_xdist(suite: pytest.Pytester, run_pytest) -> None:
     suite.makepyfile(test_hang=HANG)
+    xdist = ("-n", "2", "--dist", "megatron")
     result = run_pytest(*xdist, "--cov=pkg", "--cov-report=json:cov.json", "--cov-report=term")
     result.assert_outcomes(passed=4, failed=1)
     assert missed_lines(str(suite.path / "cov.json")) == MISSED_WITH_HANG
@@ -132,11 +132,20 @@ def test_rank_lines_are_measured(suite: pytest.Pytester, run_pytest, xdist: tupl
     assert not list(suite.path.glob(".coverage.*")), "pytest-cov combined every data file"
 
 
-def test_rank_lines_have_the_test_context(
+def test_rank_lines_are_measured_serially_with_the_test_context(
     suite: pytest.Pytester, run_pytest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One serial run measures the lines (as under xdist) and their dynamic contexts: each
+    rank's line is tagged with the test that ran it."""
     monkeypatch.delenv("COVERAGE_CORE", raising=False)  # sys.monitoring has no dynamic contexts
-    run_pytest("--cov=pkg", "--cov-context=test", "--cov-report=").assert_outcomes(passed=4)
+    suite.makepyfile(test_hang=HANG)
+    result = run_pytest(
+        "--cov=pkg", "--cov-context=test", "--cov-report=json:cov.json", "--cov-report=term"
+    )
+    result.assert_outcomes(passed=4, failed=1)
+    assert missed_lines(str(suite.path / "cov.json")) == MISSED_WITH_HANG
+    assert "Couldn't use data file" not in result.stdout.str() + result.stderr.str()
+    assert not list(suite.path.glob(".coverage.*")), "pytest-cov combined every data file"
     from coverage import CoverageData
 
     data = CoverageData(str(suite.path / ".coverage"))
@@ -146,6 +155,7 @@ def test_rank_lines_have_the_test_context(
     assert contexts[3] == ["test_ranks.py::test_ranks|run"]  # rank 0's branch
     assert contexts[4] == ["test_ranks.py::test_ranks|run"]  # rank 1's
     assert contexts[9] == ["test_ranks.py::test_wide|run"]
+    assert contexts[18] == ["test_hang.py::test_hangs_on_rank_1|run"]  # before its peer hung
 
 
 def test_coverage_run_with_its_own_configuration(suite: pytest.Pytester, tag: str) -> None:
