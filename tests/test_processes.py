@@ -94,32 +94,25 @@ def facts_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Pat
     return folder
 
 
-@pytest.mark.parametrize(
-    ("extra", "options", "outcomes"),
-    [
-        (FAILS, (), {"passed": 1, "failed": 1}),
-        (HANGS, ("--megatron-timeout", "2"), {"passed": 1, "failed": 1}),
-    ],
-    ids=["failure", "timeout"],
-)
-def test_nothing_outlives_a_failing_session(
-    pytester, run_pytest, facts_dir, extra, options, outcomes
-):
-    """After a failure or a timeout, the recorded ranks and zygote are gone (run_pytest also
-    finds no tagged process)."""
-    pytester.makepyfile(test_suite=PASSING + extra)
-    run_pytest(*options).assert_outcomes(**outcomes)
+def test_nothing_outlives_a_timed_out_session(pytester, run_pytest, facts_dir):
+    """After a timeout, the recorded ranks and zygote are gone (run_pytest also finds no tagged
+    process)."""
+    pytester.makepyfile(test_suite=PASSING + HANGS)
+    run_pytest("--megatron-timeout", "2").assert_outcomes(passed=1, failed=1)
     facts = read_facts(facts_dir, "ranks")
     assert len(facts) == 2
     assert_gone(gang_pids(facts))
 
 
-def test_passing_session_imports_lazily_and_leaves_nothing(pytester, run_pytest, facts_dir):
+def test_a_session_imports_lazily_and_leaves_nothing_after_a_failure(
+    pytester, run_pytest, facts_dir
+):
     """Invariant 4 on a live gang: a test module is imported on a rank when its first test runs
     there, the conftest (as under torchrun) when the rank's session starts. Invariant 3 after a
-    pass."""
-    pytester.makepyfile(test_one=PASSING, test_two=PASSING)
-    run_pytest().assert_outcomes(passed=2)
+    failure: the recorded ranks and zygote are gone (after a pass, every run_pytest of this suite
+    finds no tagged process)."""
+    pytester.makepyfile(test_one=PASSING, test_two=PASSING + FAILS)
+    run_pytest().assert_outcomes(passed=2, failed=1)
     facts = read_facts(facts_dir, "ranks")
     modules = [fact["modules"] for fact in facts]
     assert modules == [["conftest", "test_one"]] * 2 + [["conftest", "test_one", "test_two"]] * 2
@@ -387,7 +380,9 @@ def test_packages_outside_the_project_are_preloaded(
 ):
     """A package on PYTHONPATH outside the rootdir (a `pip install --target` folder) is
     third-party: the zygote imports it once, so a rank finds it already imported by its parent;
-    the project's own helper module is not preloaded (each rank imports it)."""
+    the project's own helper module is not preloaded (each rank imports it). The zygote runs as
+    `python -m xdist_megatron.ranks.zygote`: the package must not import that module first, or
+    it runs twice and Python warns (shown with -s) on the terminal of every session."""
     vendored = tmp_path_factory.mktemp("vendored")
     (vendored / "vendored_lib").mkdir()
     (vendored / "vendored_lib" / "__init__.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
@@ -406,8 +401,9 @@ def test_where_imported():
 """,
     )
     monkeypatch.setenv("PYTHONPATH", str(vendored), prepend=os.pathsep)
-    result = run_pytest("--megatron-timeout", "60")
+    result = run_pytest("-s", "--megatron-timeout", "60")
     result.assert_outcomes(passed=1)
+    assert "found in sys.modules" not in result.stderr.str() + result.stdout.str()
 
 
 def test_project_libraries_are_preloaded_test_helpers_are_not(pytester, run_pytest):
@@ -644,15 +640,6 @@ def test_a_preload_error_that_mentions_cuda_does_not_stop_the_zygote(tmp_path, m
     finally:
         zygote.close()
     assert_no_processes_left(tag)
-
-
-def test_the_zygote_module_runs_once(pytester, run_pytest):
-    """The zygote runs as `python -m xdist_megatron.ranks.zygote`: the package must not import that
-    module first, or it runs twice and Python warns on the terminal of every session."""
-    pytester.makepyfile("import pytest\n\n@pytest.mark.world_size(1)\ndef test_one():\n    pass\n")
-    result = run_pytest("-s", "--megatron-timeout", "60")
-    result.assert_outcomes(passed=1)
-    assert "found in sys.modules" not in result.stderr.str() + result.stdout.str()
 
 
 RECORDS_ITS_IMPORTER = """
