@@ -408,15 +408,18 @@ def test_a_gang_of_the_forked_worker(rank):
 """
 
 
-def test_workers_are_forked_from_the_shared_zygote(pytester, run_pytest):
+def test_workers_are_forked_from_the_shared_zygote_and_keep_xdist_ids(pytester, run_pytest):
     """Under --dist megatron each xdist worker is forked from the controller's zygote (through
     the launcher execnet runs as its `python`): it starts with torch and the suite's packages
     imported, as `python -u -c` would otherwise start it, pytest plugins imported afresh (no
-    rewrite warnings), and its gangs run as before; no worker, zygote or rank is left after."""
+    rewrite warnings), and its gangs run as before; no worker, zygote or rank is left after.
+    Worker j keeps xdist's id gwj (fixtures such as worker_id index per-worker resources by it:
+    test_environment_is_the_workers), and the status line counts the workers that exist."""
     pytester.makepyfile(test_forked=FORKED_WORKER_SUITE)
-    result = run_pytest("-n", "2", *DIST, "--megatron-devices", "cpu:2", "-rA")
+    result = run_pytest("-n", "2", *DIST, "-rA")
     result.assert_outcomes(passed=4)
     assert "cannot be rewritten" not in result.stdout.str()
+    result.stdout.no_fnmatch_line("*/4 workers*")
 
 
 ZYGOTE_DIES_CONFTEST = """
@@ -451,26 +454,6 @@ def test_a_zygote_that_dies_takes_no_forked_worker_with_it(pytester, run_pytest)
     result = run_pytest("-n", "1", *DIST, "--megatron-devices", "cpu:2", "-v")
     result.assert_outcomes(passed=2)
     assert "crashed" not in result.stdout.str()
-
-
-WORKER_IDS_SUITE = """
-import os
-
-def test_one():
-    assert os.environ["PYTEST_XDIST_WORKER"] == "gw" + os.environ["XDIST_MEGATRON_WORKER"]
-
-def test_two():
-    assert os.environ["PYTEST_XDIST_WORKER"] == "gw" + os.environ["XDIST_MEGATRON_WORKER"]
-"""
-
-
-def test_workers_keep_xdist_ids(pytester, run_pytest):
-    """Worker j keeps xdist's id gwj (fixtures such as worker_id index per-worker resources by
-    it), and the status line counts the workers that exist."""
-    pytester.makepyfile(test_ids=WORKER_IDS_SUITE)
-    result = run_pytest("-n", "2", *DIST)
-    result.assert_outcomes(passed=2)
-    result.stdout.no_fnmatch_line("*/4 workers*")
 
 
 SHARED_ZYGOTE_SUITE = """
