@@ -283,31 +283,23 @@ def test_two():
 """
 
 
-@pytest.mark.parametrize(
-    ("extra", "workers"),
-    [((), min(os.cpu_count() or 1, 8)), (("--maxprocesses", "1"), 1)],
-    ids=["cores", "maxprocesses"],
-)
-def test_n_auto_counts_cpu_cores(pytester, run_pytest, extra, workers):
-    """-n auto in CPU mode starts one worker per core (at most one per slot); --maxprocesses
-    caps it."""
+def test_n_auto_counts_cpu_cores_up_to_maxprocesses(pytester, run_pytest):
+    """--maxprocesses caps -n auto's count (test_n_auto_is_the_plugins_count: the count)."""
     pytester.makepyfile(test_plain=PLAIN_SUITE)
-    result = run_pytest("-n", "auto", *extra, *DIST, "--megatron-devices", "cpu:8")
+    result = run_pytest("-n", "auto", "--maxprocesses", "1", *DIST, "--megatron-devices", "cpu:8")
     result.assert_outcomes(passed=2)
-    plural = "worker" if workers == 1 else "workers"
-    result.stdout.fnmatch_lines([f"created: {workers}/{workers} {plural}"])
+    result.stdout.fnmatch_lines(["created: 1/1 worker"])
 
 
-@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
 def test_n_auto_is_the_plugins_count(pytester, tag):
-    """With the CPU affinity narrowed to one core, xdist's default would start 1 worker; the
-    contract is the plugin's count (os.cpu_count() in CPU mode, at most one per slot; the GPU
-    count on GPUs)."""
+    """-n auto in CPU mode starts one worker per core (at most one per slot). With the CPU
+    affinity narrowed to one core (where taskset exists), xdist's default would start 1 worker;
+    the contract is the plugin's count (os.cpu_count() in CPU mode, at most one per slot; the
+    GPU count on GPUs)."""
     pytester.makepyfile(test_plain=PLAIN_SUITE)
+    narrowed = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     result = pytester.run(
-        "taskset",
-        "-c",
-        "0",
+        *narrowed,
         sys.executable,
         "-m",
         "pytest",
