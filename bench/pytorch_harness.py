@@ -1,0 +1,153 @@
+"""PyTorch's own distributed tests (its `MultiProcessTestCase` harness spawns every test's ranks)
+with and without the plugin: plain pytest serially and with `-n N`, the plugin serially and with
+`-n N --dist megatron`, in one run on one machine. Walls, ratios to plain pytest, and every test
+whose outcome differs from plain pytest's serial run.
+
+The test files are PyTorch's, unchanged, from its repository at the release of the installed
+torch (`--tests DIR` holds them; they are not part of this repository): for example
+`test/distributed/test_distributed_spawn.py`, which runs the `distributed_test` classes shipped
+in the wheel with `BACKEND=gloo WORLD_SIZE=2` and a `TEMP_DIR` with a `barrier` folder, set up
+here as PyTorch's `run_test.py` sets them up (file init). `--every K` runs every K-th test of
+the files (the same ones in each mode), where plain pytest's spawns would take too long.
+`--devices cpu` hides the GPUs from every run. Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+
+from _util import (
+    BenchmarkError,
+    header_lines,
+    machine,
+    progress,
+    ratio,
+    table,
+    tail,
+    write_record,
+)
+
+INFO = machine()
+NO_PLUGIN = ["-p", "no:xdist_megatron.plugin"]
+RUN_TIMEOUT_S = 3600.0
+OUTCOMES = ("passed", "failed", "skipped")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", required=True, help="folder of PyTorch's test files")
+    parser.add_argument("--files", nargs="+", default=["test_distributed_spawn.py"])
+    parser.add_argument("-n", dest="workers", default="auto", help="xdist workers (default auto)")
+    parser.add_argument("--every", type=int, default=1, help="run every K-th test (default 1)")
+    parser.add_argument("--devices", choices=("cpu", "visible"), default="visible")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--json", help="write the numbers here too")
+    args = parser.parse_args()
+
+    args.tests = os.path.abspath(args.tests)
+    environ = _environment(args.devices)
+    ids = _selected(args.tests, args.files, args.every, environ)
+    progress(f"{len(ids)} tests of {', '.join(args.files)}")
+    runs = {mode: _run(mode, args.tests, ids, args.workers, environ) for mode in args.modes}
+    baseline_mode = args.modes[0]
+    baseline = runs[baseline_mode]
+    rows = []
+    for mode, (wall, outcomes) in runs.items():
+        counts = {word: list(outcomes.values()).count(word) for word in OUTCOMES}
+        differ = sorted(test for test in ids if outcomes.get(test) != baseline[1].get(test))
+        rows.append(
+            [
+                mode,
+                f"{wall:.1f}",
+                ratio(baseline[0], wall),
+                *(str(counts[word]) for word in OUTCOMES),
+                str(len(differ)),
+            ]
+        )
+        for test in differ[:10]:
+            progress(f"{mode}: {test}: {outcomes.get(test)} (vs {baseline[1].get(test)})")
+    title = f"PyTorch's spawn harness: {len(ids)} tests of {', '.join(args.files)}"
+    print("\n".join(header_lines(title, INFO)))
+    print(f"workers : -n {args.workers}; devices {args.devices}; every {args.every}th test")
+    print()
+    headers = ["mode", "wall s", f"vs {baseline_mode}", "passed", "failed", "skipped", "differ"]
+    print(table(headers, rows))
+    write_record(args.json, INFO, tests=len(ids), runs={m: r[0] for m, r in runs.items()})
+    return 0
+
+
+MODES = {
+    "plain serial": NO_PLUGIN,
+    "plain -n": [*NO_PLUGIN, "-n", "{workers}"],
+    "plugin serial": [],
+    "plugin -n": ["-n", "{workers}", "--dist", "megatron"],
+}
+
+
+def _environment(devices: str) -> dict[str, str]:
+    """What PyTorch's run_test.py sets for these files: gloo, two ranks, its temp folders and a
+    file init method."""
+    temp = tempfile.mkdtemp(prefix="pytorch-harness-")
+    for folder in ("barrier", "test_dir", "init_dir"):
+        os.mkdir(os.path.join(temp, folder))
+    environ = dict(os.environ, BACKEND="gloo", WORLD_SIZE="2", TEMP_DIR=temp)
+    environ["INIT_METHOD"] = "file://" + os.path.join(temp, "init_dir", "shared_init_file")
+    if devices == "cpu":
+        environ["CUDA_VISIBLE_DEVICES"] = ""
+    return environ
+
+
+def _selected(folder: str, files: list[str], every: int, environ: dict[str, str]) -> list[str]:
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", *NO_PLUGIN]
+    command += [f"--rootdir={folder}", *files]
+    done = subprocess.run(
+        command, cwd=folder, env=environ, capture_output=True, text=True, check=True
+    )
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    return ids[::every]
+
+
+def _run(
+    mode: str, folder: str, ids: list[str], workers: str, environ: dict[str, str]
+) -> tuple[float, dict[str, str]]:
+    junit = os.path.join(tempfile.mkdtemp(prefix="pytorch-harness-junit-"), "junit.xml")
+    options = [option.format(workers=workers) for option in MODES[mode]]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
+    command += [f"--rootdir={folder}", f"--junitxml={junit}", *ids]
+    progress(f"{mode}: pytest {' '.join(options)} ({len(ids)} tests)")
+    start = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=folder, env=environ, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    wall = time.perf_counter() - start
+    if done.returncode not in (0, 1):  # 1: some tests failed, which the table shows
+        output = tail(done.stdout + done.stderr, 40)
+        raise BenchmarkError(f"{mode}: exit {done.returncode}\n{output}")
+    progress(f"{mode}: {wall:.1f} s")
+    return wall, _outcomes(junit)
+
+
+def _outcomes(junit: str) -> dict[str, str]:
+    """Node id -> passed, failed or skipped, from pytest's junit XML."""
+    found = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        path = case.get("classname", "").replace(".", "/")
+        module, _, cls = path.rpartition("/")
+        nodeid = f"{module}.py::{cls}::{case.get('name')}"
+        if case.find("skipped") is not None:
+            found[nodeid] = "skipped"
+        elif case.find("failure") is not None or case.find("error") is not None:
+            found[nodeid] = "failed"
+        else:
+            found[nodeid] = "passed"
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())
