@@ -1,5 +1,6 @@
-"""PyTorch's own spawn harness (`MultiProcessTestCase`, from the installed torch) on gangs: each
-fault a spawned child can meet gives the verdict the harness's parent gives, and a test that
+"""PyTorch's own spawn harness (`MultiProcessTestCase` and `MultiProcContinuousTest`, from the
+installed torch) on gangs: each fault a spawned child can meet gives the verdict the harness's
+parent gives, a continuous class's failure poisons the rest of its class only, and a test that
 checks its children's exit codes still spawns them.
 
 The expected outcomes are the harness's own (torch's `_check_return_codes`): run the generated
@@ -22,7 +23,11 @@ import unittest
 import torch
 import torch.distributed as dist
 from torch.testing._internal import common_distributed
-from torch.testing._internal.common_distributed import MultiProcessTestCase, skip_if_lt_x_gpu
+from torch.testing._internal.common_distributed import (
+    MultiProcContinuousTest,
+    MultiProcessTestCase,
+    skip_if_lt_x_gpu,
+)
 
 common_distributed.TIMEOUT_OVERRIDE["test_5_hangs_on_rank_1"] = 4
 
@@ -95,6 +100,47 @@ class TestOnGangs(MultiProcessTestCase):
 
     def test_9_skip_test(self):
         raise unittest.SkipTest("skipped in the child")
+
+
+class TestContinuous(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+    def test_c0_all_reduce_on_the_class_group(self):
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor)
+        self.assertEqual(tensor.item(), 2)
+        self.assertEqual(os.environ["LOCAL_RANK"], str(self.rank))
+
+    def test_c1_fails_on_rank_1(self):
+        self.assertEqual(self.rank, 0)
+
+    def test_c2_poisoned(self):
+        pass
+
+
+class TestContinuousAfterAPoisonedClass(MultiProcContinuousTest):
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+    def test_d0_a_fresh_group(self):
+        tensor = torch.ones(1) * (self.rank + 1)
+        dist.all_reduce(tensor)
+        self.assertEqual(tensor.item(), 3)
 """
 
 EXPECTED = {
@@ -108,6 +154,10 @@ EXPECTED = {
     "test_7_after_the_death": "passed",
     "test_8_checks_its_exit_code": "passed",
     "test_9_skip_test": "skipped",
+    "test_c0_all_reduce_on_the_class_group": "passed",
+    "test_c1_fails_on_rank_1": "failed",
+    "test_c2_poisoned": "skipped",
+    "test_d0_a_fresh_group": "passed",
 }
 
 
@@ -152,8 +202,9 @@ def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, 
     assert "test_5_hangs_on_rank_1" in output and "time.sleep(600)" in output  # the hung stack
     assert "SIGKILL" in output or "signal 9" in output  # the death, named
     assert "tests that spawned: 1 check their exit codes" in output or mode == "xdist"
+    assert "Previous test failed, skipping" in output  # the class's poison pill
     if mode == "serial":
-        assert "PyTorch MultiProcessTestCase: 10 tests on gangs" in output
+        assert "PyTorch MultiProcessTestCase: 14 tests on gangs" in output
 
 
 def test_off_leaves_the_harness_alone(harness_suite, run_pytest):

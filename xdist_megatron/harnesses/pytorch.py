@@ -31,18 +31,31 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .. import markers
-from ..protocol import HARNESS, PASSED, WORLD_SIZE, CallJob, CleanupJob, RankResult, module_of
+from ..protocol import (
+    HARNESS,
+    PASSED,
+    WORLD_SIZE,
+    CallJob,
+    CleanupJob,
+    Job,
+    RankResult,
+    module_of,
+)
+from . import pytorch_continuous as continuous
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
 
 NAME = "PyTorch MultiProcessTestCase"
 HARNESS_MODULE = "torch.testing._internal.common_distributed"
-BASE_CLASS = "MultiProcessTestCase"
-PATCHED = ("_start_processes", "_join_processes")
-USED = (*PATCHED, "_check_return_codes", "_run", "_current_test_name")
+PER_TEST, CONTINUOUS = "MultiProcessTestCase", "MultiProcContinuousTest"
+USED = {  # what the adapter calls or replaces, per base class
+    PER_TEST: ("_start_processes", "_join_processes", "_check_return_codes", "_run"),
+    CONTINUOUS: ("_spawn_processes", "_get_world_size", "_init_pg", "_run_test_given_id"),
+}
 MODES = ("auto", "off")
 PENDING = "_xdist_megatron_pending_spawn"  # on a test case: the spawn its setUp asked for
+CLEANUP_TIMEOUT = 60.0
 
 
 class HarnessError(RuntimeError):
@@ -57,30 +70,33 @@ def mode(config: pytest.Config) -> str:
     return value
 
 
-def harness_base() -> type | None:
-    """The harness's base class, where the suite imported it."""
-    base = getattr(sys.modules.get(HARNESS_MODULE), BASE_CLASS, None)
+def harness_base(name: str) -> type | None:
+    """One of the harness's base classes, where the suite imported the harness."""
+    base = getattr(sys.modules.get(HARNESS_MODULE), name, None)
     return base if isinstance(base, type) else None
 
 
-def test_class(item: pytest.Item) -> type | None:
-    """The test case class of a unittest item of the harness family; None for any other."""
-    base = harness_base()
+def family(item: pytest.Item) -> str | None:
+    """Which base a unittest item's test case derives from (PER_TEST or CONTINUOUS), if any."""
     cls = getattr(item, "cls", None)
-    if base is None or not isinstance(cls, type) or not issubclass(cls, base):
+    if not isinstance(cls, type) or type(item).__name__ != "TestCaseFunction":
         return None
-    return cls if type(item).__name__ == "TestCaseFunction" else None
+    for name in USED:
+        base = harness_base(name)
+        if base is not None and issubclass(cls, base):
+            return name
+    return None
 
 
 def recognised(item: pytest.Item) -> bool:
-    return test_class(item) is not None and mode(item.config) == "auto"
+    return family(item) is not None and mode(item.config) == "auto"
 
 
-def mismatch() -> str | None:
-    """Why this torch's harness cannot be adapted (a method it no longer has), or None."""
-    base = harness_base()
-    missing = [name for name in USED if base is None or not hasattr(base, name)]
-    return f"{NAME} lacks {', '.join(missing)}" if missing else None
+def mismatch(name: str) -> str | None:
+    """Why this torch's base class cannot be adapted (a method it no longer has), or None."""
+    base = harness_base(name)
+    missing = [method for method in USED[name] if base is None or not hasattr(base, method)]
+    return f"{name} lacks {', '.join(missing)}" if missing else None
 
 
 def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) -> None:
@@ -89,29 +105,28 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
     adapter once in this driver. A test that does not fit spawns as before."""
     if runtime.inprocess is not None or mode(config) == "off":
         return
-    if not any(test_class(item) is not None for item in items):
+    families = {item: family(item) for item in items}
+    if not any(families.values()):
         return
-    why_not = mismatch()
     adapter = _installed(config, runtime)
-    if why_not is not None:
-        adapter.notes.append(f"{why_not}: its tests spawn their own processes, as without us")
-        return
-    for item in items:
-        cls = test_class(item)
-        if cls is None:
+    for item, name in families.items():
+        if name is None or name in adapter.left_alone:
             continue
-        world_size = _world_size(cls, item.name)
+        world_size = _world_size(item.cls, item.name, name)
         if world_size is None or world_size > runtime.devices.count:
             adapter.unfit += 1
             continue
         item.stash[WORLD_SIZE] = world_size
-        item.stash[HARNESS] = NAME
+        item.stash[HARNESS] = name
         adapter.on_gangs += 1
 
 
-def _world_size(cls: type, method: str) -> int | None:
+def _world_size(cls: Any, method: str, name: str) -> int | None:
+    """The number of children the harness would spawn for the test (None: not known here)."""
     try:
-        return int(cls(method).world_size)
+        if name == PER_TEST:
+            return int(cls(method).world_size)
+        return int(cls._get_world_size(continuous.device_type(cls)))
     except Exception:
         return None
 
@@ -123,8 +138,15 @@ def _installed(config: pytest.Config, runtime: Runtime) -> PyTorchHarness:
         adapter = config.stash[ADAPTER] = _active = PyTorchHarness(runtime)
         config.pluginmanager.register(adapter, "xdist-megatron-pytorch-harness")
         config.add_cleanup(_deactivate)
-        if mismatch() is None:
-            _patch(harness_base())
+        for name in USED:
+            why_not = mismatch(name) if harness_base(name) is not None else None
+            if why_not is not None:
+                adapter.left_alone.add(name)
+                adapter.notes.append(f"{why_not}: its tests spawn their own processes")
+        if PER_TEST not in adapter.left_alone:
+            _patch(harness_base(PER_TEST))
+        if CONTINUOUS not in adapter.left_alone and harness_base(CONTINUOUS) is not None:
+            continuous.patch(harness_base(CONTINUOUS), _current)
     return adapter
 
 
@@ -144,6 +166,7 @@ class PyTorchHarness:
         self.unfit = 0  # collected, but their world size does not fit the run's devices
         self.fallbacks: Counter[str] = Counter()  # tests that spawned anyway, and why
         self.notes: list[str] = []
+        self.left_alone: set[str] = set()  # base classes whose methods are not as expected
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, Any, Any]:
@@ -174,15 +197,47 @@ class PyTorchHarness:
         item = self.item
         return item is not None and isinstance(case, item.cls) and case._testMethodName == item.name
 
-    def run(self, case: Any, fn: Callable[[], None]) -> None:
-        """Every child's part on the ranks of the test's gang, then the harness's verdict."""
+    def takes_class(self, cls: type) -> bool:
+        """Whether `cls` is the class of the test that runs now on a gang."""
+        return self.item is not None and self.item.cls is cls
+
+    @staticmethod
+    def describe(failed: list[RankResult]) -> str:
+        """Ranks that died, hung or failed outside the child's code: what happened, with
+        their stacks."""
+        parts = []
+        for result in failed:
+            detail = result.longrepr if result.longrepr not in (None, result.message) else ""
+            parts.append(f"rank {result.rank}: {result.message}\n{detail}".rstrip())
+        return "\n".join(parts)
+
+    def call(self, fn: Callable[..., Any], arguments: tuple, timeout: float) -> list[RankResult]:
+        """`fn(*arguments)` (a child's side, importable on a rank) on every rank of the gang of
+        the test that runs now; the ranks' results, their output shown as a child's would be."""
+        main_path = getattr(sys.modules["__main__"], "__file__", None)
+        payload = pickle.dumps((fn, arguments, {}))
+        return self._execute(CallJob(payload, list(sys.path), main_path), timeout)
+
+    def clean(self) -> list[RankResult]:
+        """The per-job cleanup on the gang (it restores the gang's default group)."""
+        return [r for r in self._execute(CleanupJob(), CLEANUP_TIMEOUT) if r.outcome != PASSED]
+
+    def _execute(self, job: Job, timeout: float) -> list[RankResult]:
         item = self.item
         assert item is not None
+        world_size, module = item.stash[WORLD_SIZE], module_of(item.nodeid)
+        exclusive = markers.is_exclusive(item)
+        results = self.runtime.pool.execute(world_size, module, job, timeout, exclusive)
+        results.sort(key=lambda result: result.rank)
+        _show_output(results)
+        return results
+
+    def run(self, case: Any, fn: Callable[[], None]) -> None:
+        """Every child's part on the ranks of the test's gang, then the harness's verdict."""
         from torch.testing._internal.common_distributed import get_timeout  # the suite's import
 
         from .pytorch_child import run_child  # what a rank imports: not in runs without harnesses
 
-        world_size = int(case.world_size)
         cls = type(case)
         arguments = (
             cls.__module__,
@@ -192,23 +247,13 @@ class PyTorchHarness:
             dict(os.environ),
             {"fake_pg": getattr(case, "fake_pg", False)},
         )
-        main_path = getattr(sys.modules["__main__"], "__file__", None)
-        job = CallJob(pickle.dumps((run_child, arguments, {})), list(sys.path), main_path)
-        pool = self.runtime.pool
-        module = module_of(item.nodeid)
-        exclusive = markers.is_exclusive(item)
         started = time.time()
-        results = pool.execute(world_size, module, job, float(get_timeout(case.id())), exclusive)
-        _show_output(results)
-        failed = [result for result in results if result.outcome != PASSED]
-        if not failed:
-            cleanup = pool.execute(world_size, module, CleanupJob(), 60.0, exclusive)
-            failed = [result for result in cleanup if result.outcome != PASSED]
-            _show_output(cleanup)
+        results = self.call(run_child, arguments, float(get_timeout(case.id())))
+        failed = [result for result in results if result.outcome != PASSED] or self.clean()
         if failed:
-            raise HarnessError("\n".join(_failure(result) for result in failed))
-        case.processes = [_Exited(value[2], value[0]) for value in _values(results)]
-        case.pid_to_pipe = {value[2]: _Sent(value[1]) for value in _values(results)}
+            raise HarnessError(self.describe(failed))
+        case.processes = [_Exited(r.value[2], r.value[0]) for r in results]
+        case.pid_to_pipe = {r.value[2]: _Sent(r.value[1]) for r in results}
         case._check_return_codes(fn, time.time() - started)
 
 
@@ -272,10 +317,6 @@ class _Sent:
         pass
 
 
-def _values(results: list[RankResult]) -> list[tuple[int, str | None, int]]:
-    return [result.value for result in sorted(results, key=lambda result: result.rank)]
-
-
 def _show_output(results: list[RankResult]) -> None:
     """The children's output, where a spawned child's would go: the driver's, which pytest
     captures for the test's report."""
@@ -284,8 +325,3 @@ def _show_output(results: list[RankResult]) -> None:
             sys.stdout.write(result.stdout)
         if result.stderr:
             sys.stderr.write(result.stderr)
-
-
-def _failure(result: RankResult) -> str:
-    detail = result.longrepr if result.longrepr not in (None, result.message) else ""
-    return f"rank {result.rank}: {result.message}\n{detail}".rstrip()

@@ -135,3 +135,84 @@ def _restore(key: str, owner: Any) -> None:
 
 
 _MISSING = object()
+
+
+_classes: dict[str, tuple[str | None, dict[str, str]]] = {}  # a continuous class's rendezvous
+# file -> why its group could not start (a skip) and this rank's own environment
+
+
+def run_continuous(
+    module_name: str,
+    class_name: str,
+    rendezvous_file: str,
+    world_size: int,
+    test_id: str,
+    environ: dict[str, str],
+) -> tuple[str, str]:
+    """One test of a `MultiProcContinuousTest` class, as the class's worker runs it: joining
+    the class's group first where this rank has not yet. ("ok", the test id), ("skip", why) or
+    ("error", the traceback), as the worker puts them on its completion queue."""
+    module = importlib.import_module(module_name)
+    cls = functools.reduce(getattr, class_name.split("."), module)
+    if rendezvous_file not in _classes:
+        _classes[rendezvous_file] = _join_class(module, cls, rendezvous_file, world_size, environ)
+    reason = _classes[rendezvous_file][0]
+    if reason is not None:
+        return "skip", reason
+    try:
+        cls._run_test_given_id(test_id)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        reason = _skip_reason(exc.code) if isinstance(exc, SystemExit) else None
+        return ("skip", reason) if reason else ("error", traceback.format_exc())
+    return "ok", test_id
+
+
+def end_continuous(rendezvous_file: str) -> None:
+    """The class ended: its group goes (no collective: a peer may have failed in one) and this
+    rank's own environment comes back."""
+    import torch.distributed as dist
+
+    state = _classes.pop(rendezvous_file, None)
+    if state is None:  # a replacement gang, which never joined the class
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(state[1])
+
+
+def _join_class(
+    module: types.ModuleType, cls: Any, rendezvous_file: str, world_size: int, environ: dict
+) -> tuple[str | None, dict[str, str]]:
+    """The start of a class's worker: the parent's environment and a fresh class, then the
+    class's own group in place of the gang's."""
+    import torch.distributed as dist
+
+    own_environ = dict(os.environ)
+    _take_environment(environ, own_environ)
+    try:
+        _start_fresh(module)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        cls.rank, cls.world_size = rank_info().rank, world_size
+        try:
+            cls._init_pg(cls.rank, world_size, rendezvous_file)
+        except SystemExit as exc:
+            reason = _skip_reason(exc.code)
+            if reason is None:
+                raise
+            return reason, own_environ
+    except BaseException:
+        os.environ.clear()
+        os.environ.update(own_environ)
+        raise
+    return None, own_environ
+
+
+def _skip_reason(code: object) -> str | None:
+    """The message of the installed `TEST_SKIPS` entry with this exit code, if there is one."""
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    return next((skip.message for skip in TEST_SKIPS.values() if skip.exit_code == code), None)
