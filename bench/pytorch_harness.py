@@ -46,12 +46,14 @@ def main() -> int:
     parser.add_argument("-n", dest="workers", default="auto", help="xdist workers (default auto)")
     parser.add_argument("--every", type=int, default=1, help="run every K-th test (default 1)")
     parser.add_argument("--devices", choices=("cpu", "visible"), default="visible")
+    parser.add_argument("--backend", default="gloo", help="BACKEND of the files (default gloo)")
+    parser.add_argument("--world-size", default="2", help="WORLD_SIZE of the files (default 2)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--json", help="write the numbers here too")
     args = parser.parse_args()
 
     args.tests = os.path.abspath(args.tests)
-    environ = _environment(args.devices)
+    environ = _environment(args.devices, args.backend, args.world_size)
     ids = _selected(args.tests, args.files, args.every, environ)
     progress(f"{len(ids)} tests of {', '.join(args.files)}")
     runs = {mode: _run(mode, args.tests, ids, args.workers, environ) for mode in args.modes}
@@ -74,7 +76,10 @@ def main() -> int:
             progress(f"{mode}: {test}: {outcomes.get(test)} (vs {baseline[1].get(test)})")
     title = f"PyTorch's spawn harness: {len(ids)} tests of {', '.join(args.files)}"
     print("\n".join(header_lines(title, INFO)))
-    print(f"workers : -n {args.workers}; devices {args.devices}; every {args.every}th test")
+    print(
+        f"settings: BACKEND={args.backend} WORLD_SIZE={args.world_size}; -n {args.workers}; "
+        f"devices {args.devices}; every {args.every}th test"
+    )
     print()
     headers = ["mode", "wall s", f"vs {baseline_mode}", "passed", "failed", "skipped", "differ"]
     print(table(headers, rows))
@@ -90,13 +95,13 @@ MODES = {
 }
 
 
-def _environment(devices: str) -> dict[str, str]:
-    """What PyTorch's run_test.py sets for these files: gloo, two ranks, its temp folders and a
-    file init method."""
+def _environment(devices: str, backend: str, world_size: str) -> dict[str, str]:
+    """What PyTorch's run_test.py sets for these files: the backend, the world size, its temp
+    folders and a file init method."""
     temp = tempfile.mkdtemp(prefix="pytorch-harness-")
     for folder in ("barrier", "test_dir", "init_dir"):
         os.mkdir(os.path.join(temp, folder))
-    environ = dict(os.environ, BACKEND="gloo", WORLD_SIZE="2", TEMP_DIR=temp)
+    environ = dict(os.environ, BACKEND=backend, WORLD_SIZE=world_size, TEMP_DIR=temp)
     environ["INIT_METHOD"] = "file://" + os.path.join(temp, "init_dir", "shared_init_file")
     if devices == "cpu":
         environ["CUDA_VISIBLE_DEVICES"] = ""
