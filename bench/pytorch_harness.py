@@ -134,8 +134,10 @@ def _run(
     if done.returncode not in (0, 1):  # 1: some tests failed, which the table shows
         output = tail(done.stdout + done.stderr, 40)
         raise BenchmarkError(f"{mode}: exit {done.returncode}\n{output}")
-    progress(f"{mode}: {wall:.1f} s")
-    return wall, _outcomes(junit)
+    outcomes = _outcomes(junit)
+    counts = ", ".join(f"{list(outcomes.values()).count(word)} {word}" for word in OUTCOMES)
+    progress(f"{mode}: {wall:.1f} s, {counts}")  # a run cut short still leaves these
+    return wall, outcomes
 
 
 def _outcomes(junit: str) -> dict[str, str]:
