@@ -203,6 +203,8 @@ def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, 
     assert "SIGKILL" in output or "signal 9" in output  # the death, named
     assert "tests that spawned: 1 check their exit codes" in output or mode == "xdist"
     assert "Previous test failed, skipping" in output  # the class's poison pill
+    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 10 tests"
+    assert f"spawn harnesses on gangs: {counts}" in output  # the run report, under xdist too
     if mode == "serial":
         assert "PyTorch MultiProcessTestCase: 14 tests on gangs" in output
 

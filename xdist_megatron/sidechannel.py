@@ -25,10 +25,14 @@ class ItemInfo:
     world_size: int | None  # None for an unmarked test
     cls: str | None
     exclusive: bool = False  # `exclusive_devices`: its gang holds its devices alone
+    whole: str | None = None  # a group whose tests run on one worker, in order (a harness's
+    # class that keeps one pool of workers and stops at its first failure)
 
 
 def write_items(folder: str, worker: str, items: dict[str, ItemInfo]) -> None:
-    data = {nodeid: [i.module, i.world_size, i.cls, i.exclusive] for nodeid, i in items.items()}
+    data = {
+        nodeid: [i.module, i.world_size, i.cls, i.exclusive, i.whole] for nodeid, i in items.items()
+    }
     write_json(Path(folder) / f"{worker}{ITEMS_SUFFIX}", data)
 
 

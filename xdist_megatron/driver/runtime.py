@@ -29,6 +29,7 @@ from ..protocol import (
     HARNESS,
     INPUT_KEY,
     ITEMS,
+    WHOLE_CLASS,
     WORLD_SIZE,
     RankEnd,
     SessionArgs,
@@ -337,6 +338,7 @@ class Runtime:
                 item.stash.get(WORLD_SIZE, None),
                 getattr(getattr(item, "cls", None), "__qualname__", None),
                 markers.is_exclusive(item),
+                item.nodeid.rpartition("::")[0] if item.stash.get(WHOLE_CLASS, False) else None,
             )
             for item in items
         }

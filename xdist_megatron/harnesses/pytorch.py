@@ -34,6 +34,7 @@ from .. import markers
 from ..protocol import (
     HARNESS,
     PASSED,
+    WHOLE_CLASS,
     WORLD_SIZE,
     CallJob,
     CleanupJob,
@@ -118,6 +119,7 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
             continue
         item.stash[WORLD_SIZE] = world_size
         item.stash[HARNESS] = name
+        item.stash[WHOLE_CLASS] = name == CONTINUOUS  # one pool, one poison pill per class
         adapter.on_gangs += 1
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from .. import placement
 from ..ci.durations import WORLD_SIZE_PROPERTY
-from ..protocol import SPAN_ATTRIBUTE, WORLD_SIZE
+from ..protocol import HARNESS, SPAN_ATTRIBUTE, WORLD_SIZE
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
@@ -64,6 +64,8 @@ class RunFacts:
         start, end = self._window(item, current["start"])
         span = {"start": start, "end": end, "world_size": world_size}
         span.update(devices=list(devices), worker=self.worker, **gang)
+        if HARNESS in item.stash:
+            span["harness"] = item.stash[HARNESS]
         setattr(report, SPAN_ATTRIBUTE, span)
 
     def _window(self, item: pytest.Item, start: float) -> tuple[float, float]:
@@ -76,7 +78,11 @@ class RunFacts:
 
     def _pool_facts(self, item: pytest.Item, world_size: int | None) -> dict[str, Any]:
         """The gang the test ran on, and the gang events since the last test's report."""
-        on_gang = self.runtime.runs_on_ranks(item) or "gang" in getattr(item, "fixturenames", ())
+        on_gang = (
+            self.runtime.runs_on_ranks(item)
+            or "gang" in getattr(item, "fixturenames", ())
+            or HARNESS in item.stash
+        )
         if world_size is None or not on_gang:
             return {"gang": None, "events": [], "gpu_used": []}
         pool = self.runtime.pool

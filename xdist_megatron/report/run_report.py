@@ -5,6 +5,7 @@ PATH and a Gantt chart of the devices beside it (PATH with the suffix `.svg`).""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,10 @@ class RunReport:
         workers = len(self.config.getoption("tx", None) or ())  # xdist's; none: serial
         for line in timeline.summary(spans, self.events(), self.devices(), workers):
             terminalreporter.line(line)
+        harnesses = Counter(s["harness"] for s in self.stamps.values() if s.get("harness"))
+        if harnesses:
+            counts = ", ".join(f"{name} {n} tests" for name, n in sorted(harnesses.items()))
+            terminalreporter.line(f"spawn harnesses on gangs: {counts}")
         if self.written is not None:
             svg = self.written.with_suffix(".svg")
             terminalreporter.line(f"timeline: {self.written}, chart: {svg}")

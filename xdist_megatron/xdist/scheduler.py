@@ -57,6 +57,7 @@ class Unit:
     exclusive: bool = False  # `exclusive_devices` tests: every slot of their devices
     nodeids: list[str] = field(default_factory=list)
     duration: float = 0.0
+    whole: bool = False  # one class that must run on one worker: never split nor stolen from
 
     def priority(self, devices: placement.DeviceSet) -> tuple:
         """Most device slots first (world size times the slots a gang takes of each device):
@@ -226,12 +227,13 @@ class MegatronScheduling:
     # -- placement --------------------------------------------------------------------------
 
     def _enqueue(self, nodeids: Sequence[str]) -> None:
-        units: dict[tuple[str, int | None, bool], Unit] = {}
+        units: dict[tuple[str, int | None, bool, str | None], Unit] = {}
         unknown = sharding.typical_duration(self._durations.values())
         for nodeid in nodeids:
             info = self._info(nodeid)
-            key = (info.module, info.world_size, info.exclusive)
+            key = (info.module, info.world_size, info.exclusive, info.whole)
             unit = units.setdefault(key, Unit(info.module, info.world_size, info.exclusive))
+            unit.whole = info.whole is not None
             unit.nodeids.append(nodeid)
             duration = self._durations.get(nodeid, unknown)
             unit.duration += duration
@@ -351,7 +353,7 @@ class MegatronScheduling:
         idle (empty workers that nothing else queued fits, on free devices apart from `node`'s)
         and splitting it between them ends it sooner despite `SPLIT_COST`; the other parts go
         back to the queue, for those workers."""
-        if len(unit.nodeids) < 2:
+        if len(unit.nodeids) < 2 or unit.whole:
             return unit
         idle = self._idle_blocks(node, unit, devices, hungry)
         durations = [self.estimates[self.index_of[n]] for n in unit.nodeids]
@@ -478,6 +480,8 @@ class MegatronScheduling:
         start = len(pending)
         while start > BUSY_PENDING:
             info = self._info(self.collection[pending[start - 1]])
+            if info.whole is not None:  # a class that runs on one worker
+                break
             needs = self._devices_of(thief_index, info.world_size)
             if not self._fits(others + kept[start - 1], needs, info.exclusive):
                 break
