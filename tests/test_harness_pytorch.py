@@ -102,7 +102,7 @@ class TestOnGangs(MultiProcessTestCase):
         raise unittest.SkipTest("skipped in the child")
 
 
-class TestContinuous(MultiProcContinuousTest):
+class GlooOnTwo(MultiProcContinuousTest):
     world_size = 2
 
     @classmethod
@@ -113,6 +113,8 @@ class TestContinuous(MultiProcContinuousTest):
     def device_type(cls):
         return "cpu"
 
+
+class TestContinuous(GlooOnTwo):
     def test_c0_all_reduce_on_the_class_group(self):
         tensor = torch.ones(1)
         dist.all_reduce(tensor)
@@ -126,17 +128,7 @@ class TestContinuous(MultiProcContinuousTest):
         pass
 
 
-class TestContinuousAfterAPoisonedClass(MultiProcContinuousTest):
-    world_size = 2
-
-    @classmethod
-    def backend_str(cls):
-        return "gloo"
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
+class TestContinuousAfterAPoisonedClass(GlooOnTwo):
     def test_d0_a_fresh_group(self):
         tensor = torch.ones(1) * (self.rank + 1)
         dist.all_reduce(tensor)
