@@ -20,6 +20,9 @@ import sys
 import time
 import unittest
 
+# On a rank: whether its zygote imported the harness (it must not: TEST_CUDA calls cuInit).
+HARNESS_BEFORE_US = "torch.testing._internal.common_utils" in sys.modules
+
 import torch
 import torch.distributed as dist
 from torch.testing._internal import common_distributed
@@ -101,6 +104,9 @@ class TestOnGangs(MultiProcessTestCase):
     def test_9_skip_test(self):
         raise unittest.SkipTest("skipped in the child")
 
+    def test_a_the_zygote_imported_no_harness(self):
+        self.assertFalse(HARNESS_BEFORE_US)
+
 
 class GlooOnTwo(MultiProcContinuousTest):
     world_size = 2
@@ -146,6 +152,7 @@ EXPECTED = {
     "test_7_after_the_death": "passed",
     "test_8_checks_its_exit_code": "passed",
     "test_9_skip_test": "skipped",
+    "test_a_the_zygote_imported_no_harness": "passed",
     "test_c0_all_reduce_on_the_class_group": "passed",
     "test_c1_fails_on_rank_1": "failed",
     "test_c2_poisoned": "skipped",
@@ -195,10 +202,10 @@ def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, 
     assert "SIGKILL" in output or "signal 9" in output  # the death, named
     assert "tests that spawned: 1 check their exit codes" in output or mode == "xdist"
     assert "Previous test failed, skipping" in output  # the class's poison pill
-    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 10 tests"
+    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 11 tests"
     assert f"spawn harnesses on gangs: {counts}" in output  # the run report, under xdist too
     if mode == "serial":
-        assert "PyTorch MultiProcessTestCase: 14 tests on gangs" in output
+        assert "PyTorch MultiProcessTestCase: 15 tests on gangs" in output
 
 
 def test_off_leaves_the_harness_alone(harness_suite, run_pytest):

@@ -36,6 +36,9 @@ ALWAYS_PRELOAD = ("torch", "torch.distributed")
 CACHE_KEY = "xdist_megatron/preload"
 CUDA_AT_IMPORT_KEY = "xdist_megatron/cuda_at_import"
 NOT_PRELOADED = {"pytest", "_pytest", "pluggy", "xdist", "execnet", "xdist_megatron", "py"}
+# PyTorch's own test harness takes device facts at import (`common_utils.TEST_CUDA` asks CUDA's
+# driver; DTensor's device count): a rank imports it itself, as a spawned child would.
+NOT_PRELOADED_PACKAGES = ("torch.testing",)
 
 
 class Preloadable:
@@ -54,7 +57,9 @@ class Preloadable:
         """The module if it is library code; for a namespace package (`import megatron.core`
         binds `megatron`, which has no file), its imported library children. Not a script run
         as `__main__`, nor a module registered under another name than its own."""
-        if module_name.partition(".")[0] in NOT_PRELOADED:
+        if module_name.partition(".")[0] in NOT_PRELOADED or _within(
+            module_name, NOT_PRELOADED_PACKAGES
+        ):
             return set()
         module = sys.modules.get(module_name)
         if getattr(module, "__name__", None) != module_name or module_name.startswith("__"):
@@ -139,6 +144,10 @@ class Preloadable:
                 if isinstance(source, str):
                     found |= self.modules(source)
         return sorted(found)
+
+
+def _within(module_name: str, packages: tuple[str, ...]) -> bool:
+    return any(module_name == p or module_name.startswith(p + ".") for p in packages)
 
 
 PRELOADABLE = pytest.StashKey[Preloadable]()
