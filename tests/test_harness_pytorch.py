@@ -85,6 +85,7 @@ class TestOnGangs(MultiProcessTestCase):
 
     def test_5_hangs_on_rank_1(self):
         self._join()
+        dist.barrier()  # rank 0 ends its group only once rank 1 has joined it
         if self.rank == 1:
             time.sleep(600)
 
