@@ -283,7 +283,7 @@ class Gang:
         results = self.execute(CallJob(payload, list(sys.path), main_path), self.timeout)
         failed = sorted((r for r in results if r.outcome != PASSED), key=lambda r: bool(r.lost))
         if failed:  # the ranks that raised first: the others were stuck waiting for them
-            details = "\n".join(_rank_failure(r) for r in failed)
+            details = "\n".join(rank_failure(r) for r in failed)
             raise GangError(
                 f"{getattr(fn, '__name__', fn)} failed on rank(s) "
                 f"{_ranks(sorted(r.rank for r in failed))}: {failed[0].message}\n{details}",
@@ -508,7 +508,7 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _rank_failure(result: RankResult) -> str:
+def rank_failure(result: RankResult) -> str:
     """One rank's part of a `run` failure: what happened, then its traceback or stacks."""
     shown = result.longrepr if result.longrepr not in (None, result.message) else ""
     return f"--- rank {result.rank}: {result.message} ---\n{shown}".rstrip()

@@ -206,12 +206,10 @@ class PyTorchHarness:
     @staticmethod
     def describe(failed: list[RankResult]) -> str:
         """Ranks that died, hung or failed outside the child's code: what happened, with
-        their stacks."""
-        parts = []
-        for result in failed:
-            detail = result.longrepr if result.longrepr not in (None, result.message) else ""
-            parts.append(f"rank {result.rank}: {result.message}\n{detail}".rstrip())
-        return "\n".join(parts)
+        their stacks, as a failed `gang.run` says it."""
+        from ..driver.gang import rank_failure  # here: every run imports this module
+
+        return "\n".join(rank_failure(result) for result in failed)
 
     def call(self, fn: Callable[..., Any], arguments: tuple, timeout: float) -> list[RankResult]:
         """`fn(*arguments)` (a child's side, importable on a rank) on every rank of the gang of
@@ -265,7 +263,7 @@ _active: PyTorchHarness | None = None  # this process's run's adapter, where it 
 
 def _patch(base: Any) -> None:
     """Replace the harness's two methods on its own class (once per process)."""
-    if getattr(base, PENDING, False):
+    if base.__dict__.get(continuous.PATCHED):
         return
     start, join = base._start_processes, base._join_processes
 
@@ -288,7 +286,7 @@ def _patch(base: Any) -> None:
         return adapter.run(self, fn)
 
     base._start_processes, base._join_processes = _start_processes, _join_processes
-    setattr(base, PENDING, True)
+    setattr(base, continuous.PATCHED, True)
 
 
 def _current() -> PyTorchHarness | None:
@@ -320,9 +318,9 @@ class _Sent:
 
 
 def _show_output(results: list[RankResult]) -> None:
-    """The children's output, where a spawned child's would go: the driver's, which pytest
-    captures for the test's report."""
-    for result in sorted(results, key=lambda result: result.rank):
+    """The children's output (in rank order), where a spawned child's would go: the driver's,
+    which pytest captures for the test's report."""
+    for result in results:
         if result.stdout:
             sys.stdout.write(result.stdout)
         if result.stderr:

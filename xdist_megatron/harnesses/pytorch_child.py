@@ -25,6 +25,7 @@ from multiprocessing.connection import Pipe
 from typing import Any
 
 from ..protocol import ZYGOTE_VAR
+from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
 
 HARNESS_PACKAGE = "torch.testing._internal"
@@ -73,8 +74,7 @@ def run_child(
     finally:  # what a child's exit takes with it: every group it made (no collective: a peer
         if dist.is_initialized():  # that failed left its own undestroyed)
             dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(own_environ)
+        restore_environ(own_environ)
 
 
 def _take_environment(parent: dict[str, str], own: dict[str, str]) -> None:
@@ -83,9 +83,7 @@ def _take_environment(parent: dict[str, str], own: dict[str, str]) -> None:
         for name, value in own.items()
         if name in KEPT_VARIABLES or name.startswith(KEPT_PREFIXES)
     }
-    os.environ.clear()
-    os.environ.update(parent)
-    os.environ.update(kept)
+    restore_environ({**parent, **kept})
 
 
 def _received(connection: Any) -> str | None:
@@ -179,8 +177,7 @@ def end_continuous(rendezvous_file: str) -> None:
         return
     if dist.is_initialized():
         dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(state[1])
+    restore_environ(state[1])
 
 
 def _join_class(
@@ -205,8 +202,7 @@ def _join_class(
                 raise
             return reason, own_environ
     except BaseException:
-        os.environ.clear()
-        os.environ.update(own_environ)
+        restore_environ(own_environ)
         raise
     return None, own_environ
 

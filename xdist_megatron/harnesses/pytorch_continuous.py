@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from ..protocol import PASSED, RankResult
 
-PATCHED = "_xdist_megatron_patched"
+PATCHED = "_xdist_megatron_patched"  # on a base class of the harness, once replaced
 END_TIMEOUT = 60.0
 
 

@@ -89,7 +89,7 @@ def restore(state: StartupState) -> None:
     gc.collect()  # what the module's tests left in reference cycles
     _write_settings(state.settings)
     _restore_rng(state)
-    _restore_environ(state.environ)
+    restore_environ(state.environ)
 
 
 def cleanup_after_job(
@@ -355,7 +355,7 @@ def _restore_rng(state: StartupState) -> None:
             numpy_random.set_state(state.numpy_rng)
 
 
-def _restore_environ(saved: dict[str, str]) -> None:
+def restore_environ(saved: dict[str, str]) -> None:
     """Exact restore through os.environ, so the C-level environment (putenv) follows too."""
     for key in [key for key in os.environ if key not in saved]:
         del os.environ[key]
