@@ -177,12 +177,19 @@ def run_pytest(
     """Run pytest in a subprocess on the pytester folder; then assert no rank or zygote is left.
 
     The run sees no GPU unless `gpus=True`: the suite's expectations are CPU mode's, also when
-    it runs on a machine with GPUs. It has no pytest cache unless `cache=True`."""
+    it runs on a machine with GPUs. It has no pytest cache unless `cache=True`. `env` is set
+    in its environment after the plain shell's."""
 
     def run(
-        *args: str, timeout: float = 300, gpus: bool = False, cache: bool = False
+        *args: str,
+        timeout: float = 300,
+        gpus: bool = False,
+        cache: bool = False,
+        env: dict[str, str] | None = None,
     ) -> pytest.RunResult:
         start_from_a_plain_shell(monkeypatch)  # this suite may itself run under xdist
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
         if not gpus:
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         no_cache = () if cache else ("-p", "no:cacheprovider")

@@ -212,10 +212,47 @@ def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, 
 def test_off_leaves_the_harness_alone(harness_suite, run_pytest):
     """--megatron-harnesses off: the tests spawn as without the plugin, which starts nothing."""
     harness_suite.makepyfile(
-        test_harness_suite=HARNESS_SUITE.replace("class TestOnGangs", "class TestSpawned")
-        .split("    def test_1_")[0]
+        test_harness_suite=HARNESS_SUITE.replace("class TestOnGangs", "class TestSpawned").split(
+            "    def test_1_"
+        )[0]
     )
     result = run_pytest("-v", "--megatron-harnesses", "off")
     result.assert_outcomes(passed=1)
     assert "xdist-megatron:" not in result.stdout.str()
     assert "run report" not in result.stdout.str()
+
+
+COUNTED_SUITE = """
+import torch
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class TestParentCounts(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self.counts = (torch.cuda.device_count(), torch.accelerator.device_count())
+        self._spawn_processes()
+
+    def test_in_the_parent(self):
+        pass
+
+    def tearDown(self):
+        super().tearDown()
+        assert self.counts == (3, 3), self.counts
+
+
+def test_outside_the_harness():
+    assert torch.cuda.device_count() == 0
+"""
+
+
+def test_the_parent_counts_the_runs_devices(pytester, run_pytest):
+    """A worker whose CUDA view is its home GPU (the controller sets the run's count in its
+    environment) counts the run's devices where a plain parent would, and nowhere else."""
+    pytester.makepyfile(test_counted=COUNTED_SUITE)
+    result = run_pytest("-v", env={"XDIST_MEGATRON_RUN_DEVICE_COUNT": "3"})
+    result.assert_outcomes(passed=2)

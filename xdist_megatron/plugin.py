@@ -23,6 +23,7 @@ import pytest
 from . import layouts, markers
 from .ci import durations, early_cache, selection
 from .driver.timeouts import DEFAULT_TIMEOUT
+from .harnesses import device_view
 from .harnesses import pytorch as pytorch_harness
 from .protocol import DIST_MODE, INPUT_KEY, on_gang_rank
 from .report import run_report
@@ -155,7 +156,9 @@ def pytest_plugin_registered(plugin: Any, plugin_name: str, manager: Any) -> Non
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
     """Before the conftest files load (and the zygote's start beside them, import_follower.py):
-    is the run known to use the plugin? If so, its role's hook modules from now on."""
+    is the run known to use the plugin? If so, its role's hook modules from now on. A worker
+    whose CUDA view is its home GPU imports a spawn harness counting the run's devices."""
+    device_view.follow_harness_imports()
     if early_cache.decide(early_config, parser):
         _register_role_plugins(early_config)
 

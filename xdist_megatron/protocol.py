@@ -27,6 +27,8 @@ ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"
 DEVICE_COUNT_VAR = "XDIST_MEGATRON_DEVICE_COUNT"  # the driver's, so ranks resolve "all" alike
 DEVICES_VAR = "XDIST_MEGATRON_DEVICES"  # the gang's block of devices ("2,3"), on every rank
 WORKER_VAR = "XDIST_MEGATRON_WORKER"  # an xdist worker's index, in its spec: replacements keep it
+# On a worker whose CUDA view is its home GPU: the run's device count, for spawn harnesses
+RUN_DEVICE_COUNT_VAR = "XDIST_MEGATRON_RUN_DEVICE_COUNT"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's config is made
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # A preload's failure where the ranks use GPUs: the driver remembers such modules (preload.py)

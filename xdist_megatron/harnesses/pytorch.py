@@ -43,6 +43,7 @@ from ..protocol import (
     module_of,
 )
 from . import pytorch_continuous as continuous
+from .device_view import run_devices_counted
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
@@ -126,9 +127,10 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
 def _world_size(cls: Any, method: str, name: str) -> int | None:
     """The number of children the harness would spawn for the test (None: not known here)."""
     try:
-        if name == PER_TEST:
-            return int(cls(method).world_size)
-        return int(cls._get_world_size(continuous.device_type(cls)))
+        with run_devices_counted():
+            if name == PER_TEST:
+                return int(cls(method).world_size)
+            return int(cls._get_world_size(continuous.device_type(cls)))
     except Exception:
         return None
 
@@ -174,7 +176,10 @@ class PyTorchHarness:
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, Any, Any]:
         self.item = item if HARNESS in item.stash else None
         try:
-            return (yield)
+            if self.item is None:
+                return (yield)
+            with run_devices_counted():  # the parent's side counts the run's devices
+                return (yield)
         finally:
             self.item = None
 

@@ -25,7 +25,8 @@ from ..coverage import rank_coverage
 from ..driver import reporting
 from ..driver.gang import LOCALHOST, detect_devices
 from ..driver.runtime import RUNTIME, gangs_per_device
-from ..protocol import DIST_MODE, INPUT_KEY, WORKER_VAR
+from ..harnesses import pytorch as pytorch_harness
+from ..protocol import DIST_MODE, INPUT_KEY, RUN_DEVICE_COUNT_VAR, WORKER_VAR
 from .scheduler import MegatronScheduling
 
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
@@ -161,6 +162,8 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
+            if devices.count > 1 and pytorch_harness.mode(config) == "auto":
+                env += f"//env:{RUN_DEVICE_COUNT_VAR}={devices.count}"
         if python is not None and spec.popen and not (spec.python or spec.via):
             env += f"//python={python}"
         replacement = execnet.XSpec(f"{spec}{env}")
