@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("expecttest")  # torch.testing._internal needs it (the test extra has it)
 
 HARNESS_SUITE = """
+import datetime
 import os
 import signal
 import sys
@@ -55,6 +56,7 @@ class TestOnGangs(MultiProcessTestCase):
         dist.init_process_group(
             "gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2
         )
+        dist.barrier()  # a rank that ended its group at once could leave its peer connecting
 
     def test_0_all_reduce(self):
         self._join()
@@ -68,6 +70,16 @@ class TestOnGangs(MultiProcessTestCase):
         self._join()
         Shared.failures_seen += 1
         self.assertEqual(self.rank, 0)
+
+    def test_1b_init_fails_on_rank_1(self):
+        if self.rank == 1:  # its peer never comes
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{self.file_name}",
+                rank=1,
+                world_size=2,
+                timeout=datetime.timedelta(seconds=2),
+            )
 
     def test_2_starts_fresh(self):
         self._join()
@@ -145,6 +157,7 @@ class TestContinuousAfterAPoisonedClass(GlooOnTwo):
 EXPECTED = {
     "test_0_all_reduce": "passed",
     "test_1_fails_on_rank_1_and_leaves_state": "failed",
+    "test_1b_init_fails_on_rank_1": "failed",
     "test_2_starts_fresh": "passed",
     "test_3_skips_by_exit_code": "skipped",
     "test_4_rank_0_exits_with_3": "failed",
@@ -203,10 +216,11 @@ def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, 
     assert "SIGKILL" in output or "signal 9" in output  # the death, named
     assert "tests that spawned: 1 check their exit codes" in output or mode == "xdist"
     assert "Previous test failed, skipping" in output  # the class's poison pill
-    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 11 tests"
+    assert "timed out after 60 s" not in output  # no gang's cleanup hung (test_1b's group name)
+    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 12 tests"
     assert f"spawn harnesses on gangs: {counts}" in output  # the run report, under xdist too
     if mode == "serial":
-        assert "PyTorch MultiProcessTestCase: 15 tests on gangs" in output
+        assert "PyTorch MultiProcessTestCase: 16 tests on gangs" in output
 
 
 def test_off_leaves_the_harness_alone(harness_suite, run_pytest):

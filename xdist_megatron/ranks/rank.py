@@ -339,6 +339,7 @@ class _JobRunner:
             return ""
         if world_size is not None:
             dist.destroy_process_group()
+        _forget_failed_group_names()
         self._restores += 1
         store = dist.PrefixStore(f"xdist-megatron/restored/{self._restores}", _store)
         dist.init_process_group(
@@ -381,6 +382,16 @@ class _JobRunner:
         except BaseException as exc:
             return RankResult(self.rank, FAILED, _one_line(exc), traceback.format_exc())
         return result
+
+
+def _forget_failed_group_names() -> None:
+    """Name the next default group as a fresh process would. c10d names groups by a count that
+    only destroying a default group resets; a test whose own `init_process_group` failed on this
+    rank alone (a peer gone, a timeout) took a name that its peers gave back, and the gang's
+    restored group would then wait under another name than theirs, forever."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0
 
 
 def _default_group() -> Any:
