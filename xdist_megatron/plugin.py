@@ -23,7 +23,8 @@ import pytest
 from . import layouts, markers
 from .ci import durations, early_cache, selection
 from .driver.timeouts import DEFAULT_TIMEOUT
-from .harnesses import device_view
+from .harnesses import device_view, on_gangs
+from .harnesses import modelopt as modelopt_harness
 from .harnesses import pytorch as pytorch_harness
 from .protocol import DIST_MODE, INPUT_KEY, on_gang_rank
 from .report import run_report
@@ -101,11 +102,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--megatron-harnesses",
-        choices=pytorch_harness.MODES,
+        choices=on_gangs.MODES,
         default=None,
         help="auto: tests of harnesses that spawn processes per test (PyTorch's "
-        "MultiProcessTestCase family) run their children's part on gangs; off: they spawn as "
-        "without the plugin (default: ini megatron_harnesses, auto).",
+        "MultiProcessTestCase family, Model-Optimizer's spawn_multiprocess_job) run their "
+        "children's part on gangs; off: they spawn as without the plugin (default: ini "
+        "megatron_harnesses, auto).",
     )
     selection.add_options(group, parser)
     durations.add_options(group, parser)
@@ -192,14 +194,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     role = config.stash.get(_ROLE, None)
     if role is None:
-        if not any(_marked(item) or _requests_rank_fixture(item) for item in items) and not any(
-            pytorch_harness.recognised(item) for item in items
+        if not (
+            any(_marked(item) or _requests_rank_fixture(item) for item in items)
+            or any(pytorch_harness.recognised(item) for item in items)
+            or modelopt_harness.recognised(config)
         ):
             return
         role = _engage(config, follow=True)
     from .driver.runtime import RUNTIME
 
     pytorch_harness.assign(config, items, config.stash[RUNTIME])
+    modelopt_harness.install(config, config.stash[RUNTIME])
     role.assign(config, items)
 
 

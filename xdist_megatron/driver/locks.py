@@ -6,6 +6,8 @@ two pytest sessions pointed at one `--megatron-lock-dir`, take turns once its sl
 Each device also has a turnstile, held only while slots are being taken: an exclusive holder
 waiting for the last slots keeps newcomers out, so it is not starved by a stream of shared ones.
 The kernel drops a lock when its holder dies, so a killed worker never leaves a device locked.
+A hold inside another of the same process (an unmarked test on its worker's home device whose
+body runs a job on a gang there) keeps the slot it has: flock would make it wait for itself.
 """
 
 from __future__ import annotations
@@ -26,26 +28,38 @@ class DeviceLocks:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
         self.slots = slots
+        self._mine: dict[str, int] = {}  # device -> the slot this process holds now
 
     @contextmanager
     def hold(self, names: list[str], exclusive: bool = False) -> Iterator[None]:
         """Hold a slot of every named device, or all its slots when `exclusive` (devices taken
         in sorted order, so two holders never deadlock)."""
         fds: list[int] = []
+        taken: list[str] = []
         try:
             for name in sorted(set(names)):
+                mine = self._mine.get(name)
+                if mine is not None and not exclusive:
+                    continue
                 turnstile = self._open(f"{name}.lock")
                 try:
                     fcntl.flock(turnstile, fcntl.LOCK_EX)
                     if exclusive:
-                        for slot in range(self.slots):
-                            fds.append(self._take(name, slot))
+                        others = [slot for slot in range(self.slots) if slot != mine]
+                        fds.extend(self._take(name, slot) for slot in others)
+                        if mine is None:
+                            self._mine[name] = others[0]
+                            taken.append(name)
                     else:
-                        fds.append(self._take_any(name))
+                        fd, self._mine[name] = self._take_any(name)
+                        fds.append(fd)
+                        taken.append(name)
                 finally:
                     os.close(turnstile)
             yield
         finally:
+            for name in taken:
+                del self._mine[name]
             for fd in reversed(fds):
                 os.close(fd)  # closing the only descriptor releases its lock
 
@@ -68,8 +82,9 @@ class DeviceLocks:
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd
 
-    def _take_any(self, name: str) -> int:
-        """The first free slot of the device, waiting for one if all are taken."""
+    def _take_any(self, name: str) -> tuple[int, int]:
+        """The first free slot of the device (its descriptor and index), waiting for one if
+        all are taken."""
         fds = [self._open(_slot_file(name, slot)) for slot in range(self.slots)]
         try:
             while True:
@@ -78,7 +93,7 @@ class DeviceLocks:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
                         continue
-                    return fds.pop(index)
+                    return fds.pop(index), index
                 time.sleep(SLOT_POLL)
         finally:
             for fd in fds:

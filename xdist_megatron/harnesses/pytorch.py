@@ -20,30 +20,20 @@ suite itself imported it (DESIGN, invariant 6).
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .. import markers
-from ..protocol import (
-    HARNESS,
-    PASSED,
-    WHOLE_CLASS,
-    WORLD_SIZE,
-    CallJob,
-    CleanupJob,
-    Job,
-    RankResult,
-    module_of,
-)
+from ..protocol import HARNESS, PASSED, WHOLE_CLASS, WORLD_SIZE
 from . import pytorch_continuous as continuous
 from .device_view import run_devices_counted
+from .on_gangs import GangCaller, HarnessError, mode
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
@@ -55,21 +45,7 @@ USED = {  # what the adapter calls or replaces, per base class
     PER_TEST: ("_start_processes", "_join_processes", "_check_return_codes", "_run"),
     CONTINUOUS: ("_spawn_processes", "_get_world_size", "_init_pg", "_run_test_given_id"),
 }
-MODES = ("auto", "off")
 PENDING = "_xdist_megatron_pending_spawn"  # on a test case: the spawn its setUp asked for
-CLEANUP_TIMEOUT = 60.0
-
-
-class HarnessError(RuntimeError):
-    """A rank of the test's gang died, hung or failed outside the child's own code."""
-
-
-def mode(config: pytest.Config) -> str:
-    """--megatron-harnesses, else ini megatron_harnesses: auto (default) or off."""
-    value = config.getoption("megatron_harnesses") or config.getini("megatron_harnesses")
-    if value not in MODES:
-        raise pytest.UsageError(f"--megatron-harnesses must be auto or off, got {value!r}")
-    return value
 
 
 def harness_base(name: str) -> type | None:
@@ -160,28 +136,22 @@ def _deactivate() -> None:
     _active = None
 
 
-class PyTorchHarness:
+class PyTorchHarness(GangCaller):
     """The driver's adapter: which test runs now, and what the collection summary says."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.item: pytest.Item | None = None
+        super().__init__(runtime)
         self.on_gangs = 0  # tests collected to run on gangs
         self.unfit = 0  # collected, but their world size does not fit the run's devices
         self.fallbacks: Counter[str] = Counter()  # tests that spawned anyway, and why
         self.notes: list[str] = []
         self.left_alone: set[str] = set()  # base classes whose methods are not as expected
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, Any, Any]:
-        self.item = item if HARNESS in item.stash else None
-        try:
-            if self.item is None:
-                return (yield)
-            with run_devices_counted():  # the parent's side counts the run's devices
-                return (yield)
-        finally:
-            self.item = None
+    def follows(self, item: pytest.Item) -> bool:
+        return item.stash.get(HARNESS, None) in USED
+
+    def parent_side(self) -> AbstractContextManager[None]:
+        return run_devices_counted()  # the parent's side counts the run's devices
 
     def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
         lines = [f"xdist-megatron: {self.summary()}"] if self.on_gangs or self.unfit else []
@@ -208,35 +178,6 @@ class PyTorchHarness:
         """Whether `cls` is the class of the test that runs now on a gang."""
         return self.item is not None and self.item.cls is cls
 
-    @staticmethod
-    def describe(failed: list[RankResult]) -> str:
-        """Ranks that died, hung or failed outside the child's code: what happened, with
-        their stacks, as a failed `gang.run` says it."""
-        from ..driver.gang import rank_failure  # here: every run imports this module
-
-        return "\n".join(rank_failure(result) for result in failed)
-
-    def call(self, fn: Callable[..., Any], arguments: tuple, timeout: float) -> list[RankResult]:
-        """`fn(*arguments)` (a child's side, importable on a rank) on every rank of the gang of
-        the test that runs now; the ranks' results, their output shown as a child's would be."""
-        main_path = getattr(sys.modules["__main__"], "__file__", None)
-        payload = pickle.dumps((fn, arguments, {}))
-        return self._execute(CallJob(payload, list(sys.path), main_path), timeout)
-
-    def clean(self) -> list[RankResult]:
-        """The per-job cleanup on the gang (it restores the gang's default group)."""
-        return [r for r in self._execute(CleanupJob(), CLEANUP_TIMEOUT) if r.outcome != PASSED]
-
-    def _execute(self, job: Job, timeout: float) -> list[RankResult]:
-        item = self.item
-        assert item is not None
-        world_size, module = item.stash[WORLD_SIZE], module_of(item.nodeid)
-        exclusive = markers.is_exclusive(item)
-        results = self.runtime.pool.execute(world_size, module, job, timeout, exclusive)
-        results.sort(key=lambda result: result.rank)
-        _show_output(results)
-        return results
-
     def run(self, case: Any, fn: Callable[[], None]) -> None:
         """Every child's part on the ranks of the test's gang, then the harness's verdict."""
         from torch.testing._internal.common_distributed import get_timeout  # the suite's import
@@ -253,8 +194,9 @@ class PyTorchHarness:
             {"fake_pg": getattr(case, "fake_pg", False)},
         )
         started = time.time()
-        results = self.call(run_child, arguments, float(get_timeout(case.id())))
-        failed = [result for result in results if result.outcome != PASSED] or self.clean()
+        world_size = self.item.stash[WORLD_SIZE]
+        results = self.call(world_size, run_child, arguments, float(get_timeout(case.id())))
+        failed = [r for r in results if r.outcome != PASSED] or self.clean(world_size)
         if failed:
             raise HarnessError(self.describe(failed))
         case.processes = [_Exited(r.value[2], r.value[0]) for r in results]
@@ -320,13 +262,3 @@ class _Sent:
 
     def close(self) -> None:
         pass
-
-
-def _show_output(results: list[RankResult]) -> None:
-    """The children's output (in rank order), where a spawned child's would go: the driver's,
-    which pytest captures for the test's report."""
-    for result in results:
-        if result.stdout:
-            sys.stdout.write(result.stdout)
-        if result.stderr:
-            sys.stderr.write(result.stderr)

@@ -27,13 +27,11 @@ from typing import Any
 from ..protocol import ZYGOTE_VAR
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
+from .fresh_state import start_fresh
 
 HARNESS_PACKAGE = "torch.testing._internal"
 KEPT_VARIABLES = ("CUDA_VISIBLE_DEVICES", ZYGOTE_VAR)
 KEPT_PREFIXES = ("XDIST_MEGATRON_",)
-PLAIN_TYPES = (int, float, str, bytes, bool, type(None), tuple, frozenset)
-
-_first_seen: dict[str, dict[str, Any]] = {}  # module or class -> its plain attributes
 
 
 def run_child(
@@ -105,34 +103,13 @@ def _exit_code(code: object) -> int:
 
 
 def _start_fresh(test_module: types.ModuleType) -> None:
-    """Put back the plain values (numbers, strings, tuples) of the attributes of the test
-    module, the harness's modules and their classes, as this rank first saw them."""
-    modules = [test_module] + [
+    """The test module and the harness's modules, as a fresh child imports them."""
+    harness = [
         module
         for name, module in list(sys.modules.items())
         if name.startswith(HARNESS_PACKAGE) and isinstance(module, types.ModuleType)
     ]
-    for module in modules:
-        _restore(module.__name__, module)
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and value.__module__ == module.__name__:
-                _restore(f"{module.__name__}:{value.__qualname__}", value)
-
-
-def _restore(key: str, owner: Any) -> None:
-    first = _first_seen.get(key)
-    if first is None:
-        _first_seen[key] = {
-            name: value for name, value in vars(owner).items() if isinstance(value, PLAIN_TYPES)
-        }
-        return
-    current = vars(owner)
-    for name, value in first.items():
-        if current.get(name, _MISSING) is not value:
-            setattr(owner, name, value)
-
-
-_MISSING = object()
+    start_fresh([test_module, *harness])
 
 
 _classes: dict[str, tuple[str | None, dict[str, str]]] = {}  # a continuous class's rendezvous

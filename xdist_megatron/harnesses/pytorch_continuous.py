@@ -31,9 +31,11 @@ class Adapter(Protocol):
 
     def takes_class(self, cls: type) -> bool: ...
 
-    def call(self, fn: Callable[..., Any], arguments: tuple, timeout: float) -> list: ...
+    def call(
+        self, world_size: int, fn: Callable[..., Any], arguments: tuple, timeout: float
+    ) -> list: ...
 
-    def clean(self) -> list[RankResult]: ...
+    def clean(self, world_size: int) -> list[RankResult]: ...
 
     def describe(self, failed: list[RankResult]) -> str: ...
 
@@ -95,9 +97,8 @@ class _Workers:
 
         cls = self.cls
         arguments = (cls.__module__, cls.__qualname__, cls.rdvz_file, self.size, test_id)
-        results = self.adapter.call(
-            run_continuous, (*arguments, self.environ), float(get_timeout(test_id or ""))
-        )
+        timeout = float(get_timeout(test_id or ""))
+        results = self.adapter.call(self.size, run_continuous, (*arguments, self.environ), timeout)
         return [self._answer(result) for result in results]
 
     def _answer(self, result: RankResult) -> Any:
@@ -113,8 +114,8 @@ class _Workers:
     def _end(self) -> None:
         from .pytorch_child import end_continuous
 
-        self.adapter.call(end_continuous, (self.cls.rdvz_file,), END_TIMEOUT)
-        self.adapter.clean()
+        self.adapter.call(self.size, end_continuous, (self.cls.rdvz_file,), END_TIMEOUT)
+        self.adapter.clean(self.size)
 
 
 class _Worker:

@@ -17,6 +17,7 @@ import pytest
 
 from .. import placement
 from ..ci.durations import WORLD_SIZE_PROPERTY
+from ..harnesses import modelopt
 from ..protocol import HARNESS, SPAN_ATTRIBUTE, WORLD_SIZE
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ class RunFacts:
         self._events_told = 0
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self._gangs_run = any(WORLD_SIZE in item.stash for item in session.items)
+        self._gangs_run = any(WORLD_SIZE in item.stash for item in session.items) or (
+            modelopt.ADAPTER in session.config.stash  # a test body may ask for a gang
+        )
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, Any, Any]:

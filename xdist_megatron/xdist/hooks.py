@@ -25,7 +25,7 @@ from ..coverage import rank_coverage
 from ..driver import reporting
 from ..driver.gang import LOCALHOST, detect_devices
 from ..driver.runtime import RUNTIME, gangs_per_device
-from ..harnesses import pytorch as pytorch_harness
+from ..harnesses import on_gangs
 from ..protocol import DIST_MODE, INPUT_KEY, RUN_DEVICE_COUNT_VAR, WORKER_VAR
 from .scheduler import MegatronScheduling
 
@@ -162,7 +162,7 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
         if devices.is_cuda:
             home = placement.home_device(devices, index)
             env += f"//env:CUDA_VISIBLE_DEVICES={devices.visible_devices((home,))}"
-            if devices.count > 1 and pytorch_harness.mode(config) == "auto":
+            if devices.count > 1 and on_gangs.mode(config) == "auto":
                 env += f"//env:{RUN_DEVICE_COUNT_VAR}={devices.count}"
         if python is not None and spec.popen and not (spec.python or spec.via):
             env += f"//python={python}"

@@ -1,0 +1,69 @@
+"""On a rank: what one process spawned by Model-Optimizer's `spawn_multiprocess_job` runs.
+
+The spawned process sets torchrun's variables, joins a default group of the job's backend,
+pins device `rank` for NCCL, seeds torch with 1234 and calls `job(rank, size)` from a freshly
+imported module (here: the module's plain attributes as this rank first saw them). A rank of a
+gang of `size` already has such a group (the gang's, where its backend includes the job's) and
+sits on device `rank`; a job of another backend gets a group of its own, which the per-job
+cleanup replaces with the gang's afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..ranks.isolation import restore_environ
+from ..ranks.rank import rank_info
+from .fresh_state import start_fresh
+
+SEED = 1234  # the harness's torch.manual_seed
+
+
+def run_job(job: Callable[[int, int], Any], backend: str, port: int) -> None:
+    """`job(rank, size)` in the state the harness's child would call it in; its exception is
+    the rank's failure (the harness's child would exit non-zero)."""
+    import torch
+    import torch.distributed as dist
+
+    info = rank_info()
+    rank, size = info.rank, info.world_size
+    own = dict(os.environ)
+    for name, value in _child_variables(rank, size, port).items():
+        os.environ[name] = value
+    try:
+        if not _gang_group_serves(dist, backend):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group(backend, rank=rank, world_size=size)
+        if backend == "nccl" and torch.cuda.is_available():
+            torch.cuda.set_device(rank)
+        torch.manual_seed(SEED)
+        module = sys.modules.get(getattr(getattr(job, "func", job), "__module__", ""))
+        start_fresh([module] if module is not None else [])
+        job(rank, size)
+    finally:
+        restore_environ(own)
+
+
+def _child_variables(rank: int, size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_WORLD_SIZE": str(size),
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+        "WANDB_DISABLED": "true",
+    }
+
+
+def _gang_group_serves(dist: Any, backend: str) -> bool:
+    """Whether the default group the rank has is one of the job's backend ("gloo" is served by
+    the gang's "gloo" and by its "cpu:gloo,cuda:nccl")."""
+    if not dist.is_initialized():
+        return False
+    kinds = {part.split(":")[-1] for part in str(dist.get_backend()).split(",")}
+    return backend.lower() in kinds
