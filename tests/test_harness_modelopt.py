@@ -1,7 +1,8 @@
-"""Model-Optimizer's `spawn_multiprocess_job` on gangs: the suite's own helper (here one with
-its contract, at its path, `_test_utils/torch/distributed/utils.py`) is replaced where the suite
-imported it; a job runs on a gang in the state a spawned process would give it, a job that
-raises, dies or hangs on one rank fails its test alone, and a size over the devices spawns."""
+"""Model-Optimizer's `spawn_multiprocess_job` and `DistributedWorkerPool` on gangs: the suite's
+own helpers (here ones with their contract, at their path, `_test_utils/torch/distributed/
+utils.py`) are replaced where the suite imported them; a job runs on a gang in the state a
+spawned process would give it, a job that raises, dies or hangs on one rank fails its test
+alone, and a size over the devices spawns."""
 
 from __future__ import annotations
 
@@ -39,6 +40,55 @@ def spawn_multiprocess_job(size, job, backend="gloo"):
     for process in processes:
         process.join()
         assert not process.exitcode
+
+
+def default_worker_teardown(rank, world_size):
+    pass
+
+
+class DistributedWorkerPool:
+    def __init__(self, world_size, backend="nccl", teardown_fn=default_worker_teardown):
+        raise AssertionError("the pool spawned")
+"""
+
+POOL_CONFTEST = """
+import pytest
+from _test_utils.torch.distributed.utils import DistributedWorkerPool
+
+
+@pytest.fixture(scope="module")
+def dist_workers():
+    pool = DistributedWorkerPool(world_size=2, backend="gloo")
+    yield pool
+    pool.shutdown()
+"""
+
+POOL_SUITE = """
+import torch
+import torch.distributed as dist
+
+
+def _sum(rank, world_size, value, scale=1):
+    tensor = torch.tensor([value * scale])
+    dist.all_reduce(tensor)
+    assert tensor.item() == value * scale * world_size
+
+
+def test_p0_run(dist_workers):
+    dist_workers.run(_sum, 3, scale=2)
+
+
+def _fails_on_0(rank, world_size):
+    if rank == 0:
+        raise KeyError("the pool's job fails on rank 0")
+
+
+def test_p1_fails_on_rank_0(dist_workers):
+    dist_workers.run(_fails_on_0)
+
+
+def test_p2_after_the_failure(dist_workers):
+    dist_workers.run(_sum, 1)
 """
 
 SUITE = """
@@ -133,6 +183,9 @@ EXPECTED = {
     "test_5_hangs_on_rank_1": "failed",
     "test_6_after_the_faults": "passed",
     "test_7_other_sizes": "passed",
+    "test_p0_run": "passed",
+    "test_p1_fails_on_rank_0": "failed",
+    "test_p2_after_the_failure": "passed",
 }
 
 
@@ -141,7 +194,8 @@ def modelopt_suite(pytester: pytest.Pytester) -> pytest.Pytester:
     for package in ("_test_utils", "_test_utils/torch", "_test_utils/torch/distributed"):
         pytester.mkpydir(package)
     pytester.path.joinpath("_test_utils/torch/distributed/utils.py").write_text(HELPER)
-    pytester.makepyfile(test_modelopt_suite=SUITE)
+    pytester.makepyfile(test_modelopt_suite=SUITE, test_pool_suite=POOL_SUITE)
+    pytester.makeconftest(POOL_CONFTEST)
     pytester.makeini("[pytest]\nmegatron_timeout = 6\n")  # the hung job's; none in the harness
     return pytester
 
@@ -167,9 +221,10 @@ def test_jobs_run_on_gangs_with_the_harness_verdicts(modelopt_suite, run_pytest,
     assert "the job failed on rank(s) 1" in output
     assert "SIGKILL" in output or "signal 9" in output  # the death, named
     assert "time.sleep(600)" in output  # the hung rank's stack
-    assert "spawn harnesses on gangs: spawn_multiprocess_job 8 tests" in output
+    assert 'KeyError: "the pool\'s job fails on rank 0"' in output
+    assert "spawn harnesses on gangs: spawn_multiprocess_job 11 tests" in output
     if mode == "serial":
-        assert "Model-Optimizer spawn_multiprocess_job: 9 jobs on gangs" in output
+        assert "Model-Optimizer spawn_multiprocess_job: 12 jobs on gangs" in output
 
 
 def test_a_size_over_the_devices_spawns(modelopt_suite, run_pytest):
@@ -183,6 +238,7 @@ def test_three_on_two_devices():
     spawn_multiprocess_job(3, _only_spawned)
 """
     modelopt_suite.makepyfile(test_modelopt_suite=SUITE.split("def _raises_on_1")[0] + size_three)
+    modelopt_suite.path.joinpath("test_pool_suite.py").unlink()
     result = run_pytest("-v", "--megatron-devices", "cpu:2", timeout=240)
     result.assert_outcomes(passed=3)
     assert "9 jobs" not in result.stdout.str()

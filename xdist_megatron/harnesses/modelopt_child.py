@@ -1,4 +1,5 @@
-"""On a rank: what one process spawned by Model-Optimizer's `spawn_multiprocess_job` runs.
+"""On a rank: what one process spawned by Model-Optimizer's `spawn_multiprocess_job` runs, or
+a worker of its `DistributedWorkerPool` at each `run` (then the pool's `teardown_fn`).
 
 The spawned process sets torchrun's variables, joins a default group of the job's backend,
 pins device `rank` for NCCL, seeds torch with 1234 and calls `job(rank, size)` from a freshly
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..ranks.isolation import restore_environ
@@ -25,14 +27,41 @@ SEED = 1234  # the harness's torch.manual_seed
 def run_job(job: Callable[[int, int], Any], backend: str, port: int) -> None:
     """`job(rank, size)` in the state the harness's child would call it in; its exception is
     the rank's failure (the harness's child would exit non-zero)."""
+    with _as_spawned(backend, port) as (rank, size):
+        _fresh_module_of(job)
+        job(rank, size)
+
+
+def run_in_pool(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    backend: str,
+    teardown_fn: Callable[[int, int], Any] | None,
+    port: int,
+) -> None:
+    """One `DistributedWorkerPool.run` on this rank: `fn(rank, world_size, *args, **kwargs)`,
+    then the pool's `teardown_fn`, whose failure fails the run too, as in the pool's worker."""
+    with _as_spawned(backend, port) as (rank, size):
+        _fresh_module_of(fn)
+        try:
+            fn(rank, size, *args, **kwargs)
+        finally:
+            if teardown_fn is not None:
+                teardown_fn(rank, size)
+
+
+@contextmanager
+def _as_spawned(backend: str, port: int) -> Iterator[tuple[int, int]]:
+    """The harness's process state around a job: its variables, a default group of its
+    backend, its device and its seed; the rank's own variables again afterwards."""
     import torch
     import torch.distributed as dist
 
     info = rank_info()
     rank, size = info.rank, info.world_size
     own = dict(os.environ)
-    for name, value in _child_variables(rank, size, port).items():
-        os.environ[name] = value
+    os.environ.update(_child_variables(rank, size, port))
     try:
         if not _gang_group_serves(dist, backend):
             if dist.is_initialized():
@@ -41,11 +70,14 @@ def run_job(job: Callable[[int, int], Any], backend: str, port: int) -> None:
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(rank)
         torch.manual_seed(SEED)
-        module = sys.modules.get(getattr(getattr(job, "func", job), "__module__", ""))
-        start_fresh([module] if module is not None else [])
-        job(rank, size)
+        yield rank, size
     finally:
         restore_environ(own)
+
+
+def _fresh_module_of(fn: Any) -> None:
+    module = sys.modules.get(getattr(getattr(fn, "func", fn), "__module__", ""))
+    start_fresh([module] if module is not None else [])
 
 
 def _child_variables(rank: int, size: int, port: int) -> dict[str, str]:
