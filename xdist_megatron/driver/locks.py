@@ -7,7 +7,9 @@ Each device also has a turnstile, held only while slots are being taken: an excl
 waiting for the last slots keeps newcomers out, so it is not starved by a stream of shared ones.
 The kernel drops a lock when its holder dies, so a killed worker never leaves a device locked.
 A hold inside another of the same process (an unmarked test on its worker's home device whose
-body runs a job on a gang there) keeps the slot it has: flock would make it wait for itself.
+body runs a job on a gang) first lets go of what the outer one holds and takes it again after:
+a holder never waits while holding, so two workers whose gangs span each other's home device
+cannot wait for each other, and one never waits for itself.
 """
 
 from __future__ import annotations
@@ -28,39 +30,40 @@ class DeviceLocks:
         os.makedirs(folder, exist_ok=True)
         self.folder = folder
         self.slots = slots
-        self._mine: dict[str, int] = {}  # device -> the slot this process holds now
+        self._mine: dict[str, tuple[bool, list[int]]] = {}  # device -> (exclusive, slot fds)
 
     @contextmanager
     def hold(self, names: list[str], exclusive: bool = False) -> Iterator[None]:
         """Hold a slot of every named device, or all its slots when `exclusive` (devices taken
         in sorted order, so two holders never deadlock)."""
-        fds: list[int] = []
-        taken: list[str] = []
+        outer = {name: held[0] for name, held in self._mine.items()}
+        self._let_go(list(outer))
+        names = sorted(set(names))
         try:
-            for name in sorted(set(names)):
-                mine = self._mine.get(name)
-                if mine is not None and not exclusive:
-                    continue
-                turnstile = self._open(f"{name}.lock")
-                try:
-                    fcntl.flock(turnstile, fcntl.LOCK_EX)
-                    if exclusive:
-                        others = [slot for slot in range(self.slots) if slot != mine]
-                        fds.extend(self._take(name, slot) for slot in others)
-                        if mine is None:
-                            self._mine[name] = others[0]
-                            taken.append(name)
-                    else:
-                        fd, self._mine[name] = self._take_any(name)
-                        fds.append(fd)
-                        taken.append(name)
-                finally:
-                    os.close(turnstile)
+            self._take_all({name: exclusive for name in names})
             yield
         finally:
-            for name in taken:
-                del self._mine[name]
-            for fd in reversed(fds):
+            self._let_go([name for name in names if name in self._mine])
+            self._take_all(outer)
+
+    def _take_all(self, wanted: dict[str, bool]) -> None:
+        """Take the named devices in sorted order: every slot of an exclusive one."""
+        for name in sorted(wanted):
+            turnstile = self._open(f"{name}.lock")
+            try:
+                fcntl.flock(turnstile, fcntl.LOCK_EX)
+                fds: list[int] = []
+                self._mine[name] = (wanted[name], fds)
+                if wanted[name]:
+                    fds.extend(self._take(name, slot) for slot in range(self.slots))
+                else:
+                    fds.append(self._take_any(name))
+            finally:
+                os.close(turnstile)
+
+    def _let_go(self, names: list[str]) -> None:
+        for name in names:
+            for fd in reversed(self._mine.pop(name)[1]):
                 os.close(fd)  # closing the only descriptor releases its lock
 
     def holders(self, name: str) -> int:
@@ -82,9 +85,8 @@ class DeviceLocks:
         fcntl.flock(fd, fcntl.LOCK_EX)
         return fd
 
-    def _take_any(self, name: str) -> tuple[int, int]:
-        """The first free slot of the device (its descriptor and index), waiting for one if
-        all are taken."""
+    def _take_any(self, name: str) -> int:
+        """The first free slot of the device, waiting for one if all are taken."""
         fds = [self._open(_slot_file(name, slot)) for slot in range(self.slots)]
         try:
             while True:
@@ -93,7 +95,7 @@ class DeviceLocks:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
                         continue
-                    return fds.pop(index), index
+                    return fds.pop(index)
                 time.sleep(SLOT_POLL)
         finally:
             for fd in fds:
