@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from xdist_megatron.protocol import RUN_DEVICE_COUNT_VAR
+
 pytest.importorskip("expecttest")  # torch.testing._internal needs it (the test extra has it)
 
 HARNESS_SUITE = """
@@ -152,6 +154,29 @@ class TestContinuousAfterAPoisonedClass(GlooOnTwo):
         tensor = torch.ones(1) * (self.rank + 1)
         dist.all_reduce(tensor)
         self.assertEqual(tensor.item(), 3)
+
+
+
+class TestParentCounts(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self.counts = (torch.cuda.device_count(), torch.accelerator.device_count())
+        self._spawn_processes()
+
+    def test_in_the_parent(self):
+        pass
+
+    def tearDown(self):
+        super().tearDown()
+        assert self.counts == (3, 3), self.counts
+
+
+def test_outside_the_harness():
+    assert torch.cuda.device_count() == 0
 """
 
 EXPECTED = {
@@ -171,6 +196,8 @@ EXPECTED = {
     "test_c1_fails_on_rank_1": "failed",
     "test_c2_poisoned": "skipped",
     "test_d0_a_fresh_group": "passed",
+    "test_in_the_parent": "passed",
+    "test_outside_the_harness": "passed",
 }
 
 
@@ -203,7 +230,8 @@ def harness_suite(pytester: pytest.Pytester) -> pytest.Pytester:
 @pytest.mark.parametrize("mode", ["serial", "xdist"])
 def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, mode):
     xdist = ("-n", "2", "--dist", "megatron") if mode == "xdist" else ()
-    result = run_pytest("-v", "-rs", *xdist, timeout=240)
+    # As the controller tells a worker whose CUDA view is its home GPU: TestParentCounts.
+    result = run_pytest("-v", "-rs", *xdist, timeout=240, env={RUN_DEVICE_COUNT_VAR: "3"})
     output = result.stdout.str()
     assert outcomes(result) == EXPECTED, output
     assert "Process 1 exited with error code 10" in output  # the child's own traceback
@@ -217,10 +245,10 @@ def test_the_harness_gives_its_own_verdicts_on_gangs(harness_suite, run_pytest, 
     assert "tests that spawned: 1 check their exit codes" in output or mode == "xdist"
     assert "Previous test failed, skipping" in output  # the class's poison pill
     assert "timed out after 60 s" not in output  # no gang's cleanup hung (test_1b's group name)
-    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 12 tests"
+    counts = "MultiProcContinuousTest 4 tests, MultiProcessTestCase 13 tests"
     assert f"spawn harnesses on gangs: {counts}" in output  # the run report, under xdist too
     if mode == "serial":
-        assert "PyTorch MultiProcessTestCase: 16 tests on gangs" in output
+        assert "PyTorch MultiProcessTestCase: 17 tests on gangs" in output
 
 
 def test_off_leaves_the_harness_alone(harness_suite, run_pytest):
@@ -234,39 +262,3 @@ def test_off_leaves_the_harness_alone(harness_suite, run_pytest):
     result.assert_outcomes(passed=1)
     assert "xdist-megatron:" not in result.stdout.str()
     assert "run report" not in result.stdout.str()
-
-
-COUNTED_SUITE = """
-import torch
-from torch.testing._internal.common_distributed import MultiProcessTestCase
-
-
-class TestParentCounts(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 2
-
-    def setUp(self):
-        super().setUp()
-        self.counts = (torch.cuda.device_count(), torch.accelerator.device_count())
-        self._spawn_processes()
-
-    def test_in_the_parent(self):
-        pass
-
-    def tearDown(self):
-        super().tearDown()
-        assert self.counts == (3, 3), self.counts
-
-
-def test_outside_the_harness():
-    assert torch.cuda.device_count() == 0
-"""
-
-
-def test_the_parent_counts_the_runs_devices(pytester, run_pytest):
-    """A worker whose CUDA view is its home GPU (the controller sets the run's count in its
-    environment) counts the run's devices where a plain parent would, and nowhere else."""
-    pytester.makepyfile(test_counted=COUNTED_SUITE)
-    result = run_pytest("-v", env={"XDIST_MEGATRON_RUN_DEVICE_COUNT": "3"})
-    result.assert_outcomes(passed=2)
