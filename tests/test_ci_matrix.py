@@ -72,9 +72,9 @@ def test_shards_of_the_generated_suite_are_disjoint_complete_and_balanced(run_py
 
 def test_shards_of_the_example_suite_are_disjoint_and_complete(run_pytest):
     whole = collected(run_pytest("--collect-only", "-q", str(EXAMPLES)))
-    parts = [
-        collected(run_pytest("--collect-only", "-q", str(EXAMPLES), f"--megatron-shard={k}/4"))
-        for k in range(1, 5)
+    parts = [  # two shards: a larger count is the generated suite's test
+        collected(run_pytest("--collect-only", "-q", str(EXAMPLES), f"--megatron-shard={k}/2"))
+        for k in range(1, 3)
     ]
     flat = [nodeid for part in parts for nodeid in part]
     assert sorted(flat) == sorted(whole) and len(set(flat)) == len(whole) > 20
