@@ -45,6 +45,7 @@ SPAN_ATTRIBUTE = "megatron_span"  # on a teardown report: where and when the tes
 WORLD_SIZE = pytest.StashKey[int]()  # an item's world size, where it runs on ranks
 HARNESS = pytest.StashKey[str]()  # an item's spawn harness: its parent's side stays in the driver
 WHOLE_CLASS = pytest.StashKey[bool]()  # its class's tests run on one worker, never split
+GANGS_AT_CALL = pytest.StashKey[bool]()  # on a config: a test body may ask for a gang at its call
 LAYOUT = pytest.StashKey[tuple]()  # an item's Megatron layout, where it has the marker
 TIMEOUT = pytest.StashKey[float]()  # pytest-timeout's timeout of an item that runs on a gang
 ITEMS = pytest.StashKey[list]()  # the session's collected items, kept by the config

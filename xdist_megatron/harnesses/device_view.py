@@ -23,7 +23,7 @@ from typing import Any
 
 from ..protocol import RUN_DEVICE_COUNT_VAR
 
-HARNESS_PACKAGE = "torch.testing._internal"
+HARNESS_PACKAGE = "torch.testing._internal"  # PyTorch's harness and the modules it imports
 
 
 def run_device_count() -> int | None:

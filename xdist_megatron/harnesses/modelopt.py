@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..driver.timeouts import timeout_of
-from ..protocol import HARNESS, PASSED, WORLD_SIZE
+from ..protocol import GANGS_AT_CALL, HARNESS, PASSED, WORLD_SIZE
 from .on_gangs import GangCaller, HarnessError, mode
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ def install(config: pytest.Config, runtime: Runtime) -> None:
         return
     module = sys.modules[HELPER_MODULE]
     adapter = config.stash[ADAPTER] = ModelOptHarness(runtime)
+    config.stash[GANGS_AT_CALL] = True  # the test bodies that call the helpers ask for gangs
     config.pluginmanager.register(adapter, "xdist-megatron-modelopt-harness")
     replacements = {FUNCTION: adapter.spawn, POOL: pool_on_gangs(adapter)}
     for name, new in replacements.items():

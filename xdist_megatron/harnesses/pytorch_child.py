@@ -27,9 +27,9 @@ from typing import Any
 from ..protocol import ZYGOTE_VAR
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
+from .device_view import HARNESS_PACKAGE
 from .fresh_state import start_fresh
 
-HARNESS_PACKAGE = "torch.testing._internal"
 KEPT_VARIABLES = ("CUDA_VISIBLE_DEVICES", ZYGOTE_VAR)
 KEPT_PREFIXES = ("XDIST_MEGATRON_",)
 

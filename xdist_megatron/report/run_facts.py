@@ -17,8 +17,7 @@ import pytest
 
 from .. import placement
 from ..ci.durations import WORLD_SIZE_PROPERTY
-from ..harnesses import modelopt
-from ..protocol import HARNESS, SPAN_ATTRIBUTE, WORLD_SIZE
+from ..protocol import GANGS_AT_CALL, HARNESS, SPAN_ATTRIBUTE, WORLD_SIZE
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
@@ -37,8 +36,8 @@ class RunFacts:
         self._events_told = 0
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self._gangs_run = any(WORLD_SIZE in item.stash for item in session.items) or (
-            modelopt.ADAPTER in session.config.stash  # a test body may ask for a gang
+        self._gangs_run = session.config.stash.get(GANGS_AT_CALL, False) or any(
+            WORLD_SIZE in item.stash for item in session.items
         )
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
