@@ -47,7 +47,9 @@ class Latch:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.interrupted = False  # a SIGINT pytest has not handled yet
-        self.landing: FrameType | None = None  # where the last SIGINT landed
+        # Where the last SIGINT landed, taken then: once the imports it cut short have ended,
+        # their frames no longer know their line (f_lineno None).
+        self.landing: TracebackType | None = None
         self.held: KeyboardInterrupt | None = None  # raised while the conftest files imported
 
     def install(self) -> None:
@@ -59,7 +61,8 @@ class Latch:
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self.interrupted = True
-        self.landing = _outside_the_plugin(frame)
+        landed = _outside_the_plugin(frame)
+        self.landing = _entry(landed) if landed is not None else None
         signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as before
 
     def hold(self, error: BaseException) -> None:
@@ -81,7 +84,7 @@ class Latch:
         if held is None:
             return
         if self.landing is not None:
-            held = held.with_traceback(_entry(self.landing))
+            held = held.with_traceback(self.landing)
         raise held
 
     @pytest.hookimpl(tryfirst=True)
