@@ -32,11 +32,15 @@ import signal
 import threading
 from collections.abc import Generator
 from types import CodeType, FrameType, TracebackType
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ..protocol import PACKAGE_DIR, on_gang_rank, under_torchrun
 from .runtime import RUNTIME
+
+if TYPE_CHECKING:
+    from _pytest._code.code import TracebackEntry
 
 PLUGIN_NAME = "xdist-megatron-interrupts"
 
@@ -122,7 +126,7 @@ class Latch:
         pytest's unconfigure collects ten times over (for unraisable exceptions in cycles),
         0.2 s a time with megatron.core imported on a 2-core host, which an interrupted run
         waited for."""
-        entries = excinfo.traceback
+        entries = excinfo.traceback.filter(_knows_its_line)
         while len(entries) > 1 and _ours(entries[-1].frame.code.raw):
             entries = entries[:-1]
         excinfo.traceback = entries
@@ -141,10 +145,20 @@ class Latch:
 
 
 def _outside_the_plugin(frame: FrameType | None) -> FrameType | None:
-    """`frame`, or the nearest of its callers whose code is not the plugin's."""
-    while frame is not None and _ours(frame.f_code):
+    """`frame`, or the nearest of its callers whose code is not the plugin's and that knows its
+    line: a SIGINT can land on an instruction of no line (seen in enum's class set-up, amid
+    torch's imports), and an entry without a line broke pytest's report of the interrupt."""
+    while frame is not None and (_ours(frame.f_code) or frame.f_lineno is None):
         frame = frame.f_back
     return frame
+
+
+def _knows_its_line(entry: TracebackEntry) -> bool:
+    """Whether pytest can show `entry`: one at an instruction of no line breaks its report."""
+    try:
+        return entry.lineno is not None
+    except TypeError:
+        return False
 
 
 def _ours(code: CodeType) -> bool:
