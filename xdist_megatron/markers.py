@@ -69,9 +69,14 @@ def parametrize_sizes(metafunc: pytest.Metafunc, device_count: Callable[[], int]
     sizes = declared_sizes(marker, metafunc.definition.nodeid)
     resolved = list(dict.fromkeys(resolve(s, device_count) for s in sizes))
     if len(sizes) > 1:
-        metafunc.fixturenames.append(PARAM)
-        metafunc.parametrize(PARAM, resolved, ids=[f"ws{n}" for n in resolved])
+        one_item_per_size(metafunc, resolved)
     return resolved
+
+
+def one_item_per_size(metafunc: pytest.Metafunc, sizes: list[int]) -> None:
+    """Parametrize the test by world size, with the ids ws1, ws2..."""
+    metafunc.fixturenames.append(PARAM)
+    metafunc.parametrize(PARAM, sizes, ids=[f"ws{n}" for n in sizes])
 
 
 def item_world_size(

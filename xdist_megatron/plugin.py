@@ -23,6 +23,7 @@ import pytest
 from . import layouts, markers
 from .ci import durations, early_cache, selection
 from .driver.timeouts import DEFAULT_TIMEOUT
+from .harnesses import deepspeed as deepspeed_harness
 from .harnesses import device_view, on_gangs
 from .harnesses import modelopt as modelopt_harness
 from .harnesses import pytorch as pytorch_harness
@@ -182,6 +183,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One item per world size; the first marked test engages a run not yet known to use the
     plugin, which then starts its zygote (collection goes on beside its imports)."""
+    if deepspeed_harness.owns(metafunc.cls):  # its world_size mark is the harness's
+        return deepspeed_harness.parametrize(metafunc)
     role = metafunc.config.stash.get(_ROLE, None)
     if role is None:
         if not _marked(metafunc.definition):
@@ -197,6 +200,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not (
             any(_marked(item) or _requests_rank_fixture(item) for item in items)
             or any(pytorch_harness.recognised(item) for item in items)
+            or any(deepspeed_harness.recognised(item) for item in items)
             or modelopt_harness.recognised(config)
         ):
             return
@@ -204,6 +208,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from .driver.runtime import RUNTIME
 
     pytorch_harness.assign(config, items, config.stash[RUNTIME])
+    deepspeed_harness.assign(config, items, config.stash[RUNTIME])
     modelopt_harness.install(config, config.stash[RUNTIME])
     role.assign(config, items)
 
@@ -254,7 +259,10 @@ def _register_report_plugins(config: pytest.Config, runtime: Runtime) -> None:
 
 
 def _marked(node: pytest.Item) -> bool:
-    """A world_size or megatron marker on the test, its class or its module."""
+    """A world_size or megatron marker on the test, its class or its module (not DeepSpeed's
+    world_size mark, on its harness's tests)."""
+    if deepspeed_harness.owns(getattr(node, "cls", None)):
+        return False
     return any(node.get_closest_marker(name) for name in (markers.MARKER, layouts.MARKER))
 
 

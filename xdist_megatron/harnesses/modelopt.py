@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import inspect
 import pickle
-import socket
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import pytest
 
 from ..driver.timeouts import timeout_of
 from ..protocol import GANGS_AT_CALL, HARNESS, PASSED, WORLD_SIZE
-from .on_gangs import GangCaller, HarnessError, mode
+from .on_gangs import GangCaller, HarnessError, free_port, mode
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
@@ -117,7 +116,7 @@ class ModelOptHarness(GangCaller):
             return self.originals[FUNCTION](size, job, backend)
         from .modelopt_child import run_job  # what a rank imports: not in runs without it
 
-        self.run_on_gang(size, run_job, (job, backend, _free_port()))
+        self.run_on_gang(size, run_job, (job, backend, free_port()))
         return None
 
     def run_on_gang(self, size: int, fn: Callable[..., Any], arguments: tuple) -> None:
@@ -173,7 +172,7 @@ def pool_on_gangs(adapter: ModelOptHarness) -> type:
                 return self._spawned.run(fn, *args, **kwargs)
             from .modelopt_child import run_in_pool
 
-            arguments = (fn, args, kwargs, self.backend, self.teardown_fn, _free_port())
+            arguments = (fn, args, kwargs, self.backend, self.teardown_fn, free_port())
             return adapter.run_on_gang(self.world_size, run_in_pool, arguments)
 
         def shutdown(self) -> None:
@@ -184,10 +183,3 @@ def pool_on_gangs(adapter: ModelOptHarness) -> type:
 
 
 _DEFAULT = object()
-
-
-def _free_port() -> int:
-    """A port for the job's own group, where the gang's cannot serve its backend."""
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]

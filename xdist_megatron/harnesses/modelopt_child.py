@@ -19,6 +19,7 @@ from typing import Any
 
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
+from .child_process import gang_group_serves, leave_gang_group
 from .fresh_state import start_fresh
 
 SEED = 1234  # the harness's torch.manual_seed
@@ -63,9 +64,8 @@ def _as_spawned(backend: str, port: int) -> Iterator[tuple[int, int]]:
     own = dict(os.environ)
     os.environ.update(_child_variables(rank, size, port))
     try:
-        if not _gang_group_serves(dist, backend):
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if not gang_group_serves(backend):
+            leave_gang_group()
             dist.init_process_group(backend, rank=rank, world_size=size)
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(rank)
@@ -90,12 +90,3 @@ def _child_variables(rank: int, size: int, port: int) -> dict[str, str]:
         "MASTER_PORT": str(port),
         "WANDB_DISABLED": "true",
     }
-
-
-def _gang_group_serves(dist: Any, backend: str) -> bool:
-    """Whether the default group the rank has is one of the job's backend ("gloo" is served by
-    the gang's "gloo" and by its "cpu:gloo,cuda:nccl")."""
-    if not dist.is_initialized():
-        return False
-    kinds = {part.split(":")[-1] for part in str(dist.get_backend()).split(",")}
-    return backend.lower() in kinds

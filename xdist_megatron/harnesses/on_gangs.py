@@ -5,6 +5,7 @@ run the per-job cleanup afterwards."""
 from __future__ import annotations
 
 import pickle
+import socket
 import sys
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
@@ -100,3 +101,11 @@ def _show_output(results: list[RankResult]) -> None:
             sys.stdout.write(result.stdout)
         if result.stderr:
             sys.stderr.write(result.stderr)
+
+
+def free_port() -> int:
+    """A port for a job's own group, where the gang's cannot serve it (the harness's child
+    would have had a fresh one)."""
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]

@@ -24,14 +24,11 @@ import types
 from multiprocessing.connection import Pipe
 from typing import Any
 
-from ..protocol import ZYGOTE_VAR
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
+from .child_process import take_parent_environment
 from .device_view import HARNESS_PACKAGE
 from .fresh_state import start_fresh
-
-KEPT_VARIABLES = ("CUDA_VISIBLE_DEVICES", ZYGOTE_VAR)
-KEPT_PREFIXES = ("XDIST_MEGATRON_",)
 
 
 def run_child(
@@ -48,7 +45,7 @@ def run_child(
 
     rank = rank_info().rank
     own_environ = dict(os.environ)
-    _take_environment(environ, own_environ)
+    take_parent_environment(environ, own_environ)
     try:
         module = importlib.import_module(module_name)
         _start_fresh(module)
@@ -73,15 +70,6 @@ def run_child(
         if dist.is_initialized():  # that failed left its own undestroyed)
             dist.destroy_process_group()
         restore_environ(own_environ)
-
-
-def _take_environment(parent: dict[str, str], own: dict[str, str]) -> None:
-    kept = {
-        name: value
-        for name, value in own.items()
-        if name in KEPT_VARIABLES or name.startswith(KEPT_PREFIXES)
-    }
-    restore_environ({**parent, **kept})
 
 
 def _received(connection: Any) -> str | None:
@@ -165,7 +153,7 @@ def _join_class(
     import torch.distributed as dist
 
     own_environ = dict(os.environ)
-    _take_environment(environ, own_environ)
+    take_parent_environment(environ, own_environ)
     try:
         _start_fresh(module)
         if dist.is_initialized():
