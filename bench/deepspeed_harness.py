@@ -60,6 +60,7 @@ def main() -> int:
     parser.add_argument("--devices", choices=("cpu", "visible"), default="visible")
     parser.add_argument("--local-size", default="4", help="LOCAL_SIZE with --devices cpu")
     parser.add_argument("--timeout", default="300", help="DS_UNITTEST_TIMEOUT (default 300)")
+    parser.add_argument("-k", dest="keyword", help="pytest's -k, in every run")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--json", help="write the numbers here too")
     args = parser.parse_args()
@@ -68,7 +69,8 @@ def main() -> int:
     environ = dict(os.environ, DS_UNITTEST_TIMEOUT=args.timeout)
     if args.devices == "cpu":
         environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", LOCAL_SIZE=args.local_size)
-    runs = {mode: _run(mode, folder, args.files, args.workers, environ) for mode in args.modes}
+    selection = [*args.files, *(("-k", args.keyword) if args.keyword else ())]
+    runs = {mode: _run(mode, folder, selection, args.workers, environ) for mode in args.modes}
     baseline_mode = args.modes[0]
     baseline = runs[baseline_mode][1]
     rows = []
@@ -92,7 +94,7 @@ def main() -> int:
             progress(f"{mode}: {test}: {outcomes.get(test)} (vs {baseline.get(test)})")
     title = f"DeepSpeed's DistributedTest harness: {len(baseline)} tests of {len(args.files)} files"
     print("\n".join(header_lines(title, INFO)))
-    print(f"files: {' '.join(args.files)}")
+    print(f"files: {' '.join(args.files)}" + (f" -k {args.keyword!r}" if args.keyword else ""))
     settings = f"-n {args.workers}; devices {args.devices}"
     if args.devices == "cpu":
         settings += f" (DS_ACCELERATOR=cpu, LOCAL_SIZE={args.local_size}, gloo)"
