@@ -205,11 +205,13 @@ def assert_interrupted(run: Run, signalled: float, facts: Path, body_ran: bool) 
     where the interrupt landed (not the plugin), and exit code 2; the test body ran only where
     the signal came during it; no worker started as plain python, or raised KeyboardInterrupt
     outside pytest, with a traceback. The run's output."""
-    while (left := processes_tagged(run.tag)) and time.monotonic() < signalled + GONE_WITHIN:
+    within = gone_within()
+    while (left := processes_tagged(run.tag)) and time.monotonic() < signalled + within:
         time.sleep(0.02)
     gone_after = time.monotonic() - signalled
+    described = [describe(pid) for pid in left]
     output = run.finish()
-    assert not left, f"{left} still there {gone_after:.1f} s after Ctrl-C:\n{output}"
+    assert not left, f"{described} still there {gone_after:.1f} s after Ctrl-C:\n{output}"
     assert run.process.returncode == 2, output
     assert SUMMARY.search(output), output
     landed = LANDED.search(output)
@@ -217,6 +219,23 @@ def assert_interrupted(run: Run, signalled: float, facts: Path, body_ran: bool) 
     assert "Traceback" not in output, output
     assert bool(list(facts.glob("body-*"))) == body_ran, output
     return output
+
+
+def gone_within() -> float:
+    """The README's second, on a machine whose cores are not all busy; stretched by the load per
+    core beyond that (this suite under xdist on a 2-core CI host: a controller that imported
+    torch and megatron.core took over a second to finish exiting there, the zygote long gone)."""
+    return GONE_WITHIN * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def describe(pid: int) -> str:
+    """A process left: its pid, state and command line, as /proc shows them."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} ({state}) {command[:120]}"
 
 
 MODES = pytest.mark.parametrize("mode", [(), XDIST], ids=["serial", "xdist"])

@@ -27,4 +27,3 @@ def test_a_world_size_the_devices_cannot_hold_fits_no_gang(pytester, run_pytest)
     header = "*-n auto: the 1 device(s) fit no gang of 2 (those tests are skipped), so the tests"
     second.stdout.fnmatch_lines([header + "*the last run's, in the pytest cache*", SKIP])
     second.stdout.no_fnmatch_line("*fit one gang of 2*")
-
