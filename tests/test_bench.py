@@ -312,7 +312,7 @@ def test_real_suite_runs_cut_at_their_cap_still_compare(plain_shell: Path) -> No
     finish the tests that every run finished, side by side."""
     (plain_shell / "suite" / "test_cut.py").write_text(CUT_SHORT_SUITE)
     argv = ["real_suite.py", "suite/test_cut.py", "--nproc", "1", "--modes", "torchrun,serial",
-            "--cap", "12", "--out", "{tmp}/out", "--json", "{tmp}/runs.json"]  # fmt: skip
+            "--cap", "8", "--out", "{tmp}/out", "--json", "{tmp}/runs.json"]  # fmt: skip
     says = ["to the 3 tests (of 4) that every run finished", "every test has the same outcome"]
     assert_ran_and_said(run(command(argv, plain_shell), plain_shell), says)
     runs = json.loads((plain_shell / "runs.json").read_text())["runs"]

@@ -555,7 +555,7 @@ pytestmark = pytest.mark.world_size(2)
 @pytest.mark.parametrize("n", range(4))
 def test_gang(job, rank, n):
     with interval(job):
-        time.sleep(1.0)  # a session's 8 tests outlast the skew of the two sessions' gang starts
+        time.sleep(0.7)  # a session's 8 tests outlast the skew of the two sessions' gang starts
 """
 
 BARRIER_CONFTEST = """
