@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import pickle
 import sys
 from collections import Counter
@@ -116,7 +117,7 @@ class ModelOptHarness(GangCaller):
             return self.originals[FUNCTION](size, job, backend)
         from .modelopt_child import run_job  # what a rank imports: not in runs without it
 
-        self.run_on_gang(size, run_job, (job, backend, free_port()))
+        self.run_on_gang(size, run_job, (job, backend, free_port(), dict(os.environ)))
         return None
 
     def run_on_gang(self, size: int, fn: Callable[..., Any], arguments: tuple) -> None:
@@ -172,7 +173,8 @@ def pool_on_gangs(adapter: ModelOptHarness) -> type:
                 return self._spawned.run(fn, *args, **kwargs)
             from .modelopt_child import run_in_pool
 
-            arguments = (fn, args, kwargs, self.backend, self.teardown_fn, free_port())
+            port, environ = free_port(), dict(os.environ)
+            arguments = (fn, args, kwargs, self.backend, self.teardown_fn, port, environ)
             return adapter.run_on_gang(self.world_size, run_in_pool, arguments)
 
         def shutdown(self) -> None:
