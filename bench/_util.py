@@ -296,11 +296,10 @@ def device_set(devices: Devices) -> Any:
 
 
 def simulator() -> Any:
-    """The package's clocked, process-free simulation of `--dist megatron`
-    (xdist_megatron/xdist/simulator.py)."""
-    from xdist_megatron.xdist import simulator as module
+    """The clocked, process-free simulation of `--dist megatron` (bench/_simulator.py)."""
+    import _simulator
 
-    return module
+    return _simulator
 
 
 def scheduler_at(revision: str) -> Any:

@@ -10,7 +10,7 @@ for each D, against the same tests:
 - torchrun: one `torchrun --nproc-per-node N -m pytest` session per world size N, one after
   another, each running its bucket's tests in turn on N devices (unmarked tests go with N = 1):
   the same sum, plus `--session-start` seconds for each session's processes to start;
-- megatron: the makespan of the package's simulator (xdist_megatron/xdist/simulator.py: the real
+- megatron: the makespan of the simulator (bench/_simulator.py: the package's real
   `MegatronScheduling`, D x K fake xdist workers as `-n auto` starts with `--gangs-per-device K`,
   a clock), told the durations (a run after one that stored them), those of `--told PATH` (the
   durations file the recorded run was given) or, with `--first-run`, none; with `--before REV`,

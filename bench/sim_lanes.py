@@ -2,7 +2,7 @@
 
 `python bench/sim_lanes.py --lanes 100` draws that many random lanes of issue 21's shape (60
 tests in 10 modules, world sizes 1/2/4/8 drawn 4:3:2:1, 0.2-1.5 s each; 8 devices, 8 workers),
-runs each through the package's simulator (xdist_megatron/xdist/simulator.py: the real
+runs each through the simulator (bench/_simulator.py: the package's real
 `MegatronScheduling` driven through fake xdist workers on a clock, with gang starts, module
 collection, held-back tests and device locks) and prints median, p90 and max of makespan / ideal
 bound, for today's scheduler and placement and for the scheduler at `--before` (default 7d30ff1,

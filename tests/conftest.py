@@ -22,6 +22,10 @@ import torch  # noqa: F401 - see below
 # fails with "SystemError: ... bad call flags"). Runs of a few test files under -n hit it.
 pytest_plugins = ["pytester"]
 
+# The scheduler's simulator lives with the benchmarks, which these tests share with it. Last on
+# the path: bench/ also holds scripts named like packages (coverage.py).
+sys.path.append(str(Path(__file__).parents[1] / "bench"))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C must reach the runs this suite starts, as it does from a terminal. A launcher

@@ -22,7 +22,6 @@ TOP_MODULES = {NAME, f"{NAME}.plugin"}
 PURE = {
     f"{NAME}.placement",
     f"{NAME}.ci.sharding",
-    f"{NAME}.xdist.simulator",
     f"{NAME}.xdist.splitting",
     f"{NAME}.xdist.worker_launcher",  # it must start in milliseconds: the standard library only
 }

@@ -9,7 +9,6 @@ import pytest
 
 from xdist_megatron.ci.sharding import (
     ShardEntry,
-    device_times,
     parse_shard,
     partition,
     typical_duration,
@@ -104,3 +103,9 @@ def test_parse_shard_rejects(text: str) -> None:
 def test_unknown_tests_take_the_median_of_the_known() -> None:
     assert typical_duration([3.0, 1.0, 2.0]) == 2.0
     assert typical_duration([]) == 1.0
+
+
+def device_times(entries: list[ShardEntry], parts: list[list[str]]) -> list[float]:
+    """Each part's device-seconds."""
+    cost = {entry.nodeid: entry.device_time for entry in entries}
+    return [sum(cost[nodeid] for nodeid in part) for part in parts]

@@ -1,4 +1,4 @@
-"""The clocked simulation of `--dist megatron` (xdist/simulator.py), and the scheduler through it.
+"""The clocked simulation of `--dist megatron` (bench/_simulator.py), and the scheduler through it.
 
 The simulator drives the real MegatronScheduling through fake xdist workers, so these tests pin
 what the scheduler achieves on lanes of issue 21's shape (makespan against the ideal bound), when
@@ -11,8 +11,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
-from xdist_megatron.xdist.simulator import (
+from _simulator import (
     Costs,
     SimTest,
     SimulationError,
@@ -21,6 +20,7 @@ from xdist_megatron.xdist.simulator import (
     random_lane,
     simulate,
 )
+
 from xdist_megatron.xdist.splitting import split_evenly, split_point
 
 LANES = range(100)  # fixed seeds: the same 100 lanes every run

@@ -66,11 +66,5 @@ def partition(entries: Sequence[ShardEntry], parts: int) -> list[list[str]]:
     return chosen
 
 
-def device_times(entries: Sequence[ShardEntry], parts: list[list[str]]) -> list[float]:
-    """Each part's device-seconds (to check or print the balance)."""
-    cost = {entry.nodeid: entry.device_time for entry in entries}
-    return [sum(cost[nodeid] for nodeid in part) for part in parts]
-
-
 def _unit(entry: ShardEntry) -> tuple[str, int]:
     return entry.module, entry.world_size or 0

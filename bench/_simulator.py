@@ -1,4 +1,5 @@
-"""A clocked simulation of `--dist megatron`: the real `MegatronScheduling` against fake workers.
+"""A clocked simulation of `--dist megatron`: the package's real `MegatronScheduling` against fake
+workers. It lives with the benchmarks (and the tests) that use it: the plugin never runs it.
 
 Pure: no torch, pytest or xdist, no processes, files or sleeps; a clock jumps from event to event,
 so a lane of a minute simulates in milliseconds and the same inputs always give the same result.
@@ -32,10 +33,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .. import placement, sidechannel
-from ..protocol import INPUT_KEY
-from ..sidechannel import ItemInfo
-from .scheduler import MegatronScheduling
+from xdist_megatron import placement, sidechannel
+from xdist_megatron.protocol import INPUT_KEY
+from xdist_megatron.sidechannel import ItemInfo
+from xdist_megatron.xdist.scheduler import MegatronScheduling
 
 SHUTDOWN = -1  # xdist's shutdown marker, as it sits in a worker's queue of test indices
 
