@@ -34,9 +34,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from xdist_megatron import placement, sidechannel
+from xdist_megatron.controller.scheduler import MegatronScheduling
 from xdist_megatron.protocol import INPUT_KEY
 from xdist_megatron.sidechannel import ItemInfo
-from xdist_megatron.xdist.scheduler import MegatronScheduling
 
 SHUTDOWN = -1  # xdist's shutdown marker, as it sits in a worker's queue of test indices
 

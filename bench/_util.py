@@ -306,16 +306,16 @@ def scheduler_at(revision: str) -> Any:
     """`MegatronScheduling` as it was at git `revision`, loaded beside today's package (its
     imports resolve there), to simulate the scheduler before a change; BenchmarkError when git
     cannot show it."""
-    path = "xdist_megatron/xdist/scheduler.py"
+    path = "xdist_megatron/controller/scheduler.py"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shown = subprocess.run(
         ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, text=True
     )
     if shown.returncode != 0:
         raise BenchmarkError(f"git show {revision}:{path}: {shown.stderr.strip()}")
-    name = f"xdist_megatron.xdist.scheduler_at_{revision.replace('-', '_').replace('.', '_')}"
+    name = f"xdist_megatron.controller.scheduler_at_{revision.replace('-', '_').replace('.', '_')}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    module.__package__ = "xdist_megatron.xdist"
+    module.__package__ = "xdist_megatron.controller"
     sys.modules[name] = module
     exec(compile(shown.stdout, f"{revision}:{path}", "exec"), module.__dict__)
     return module.MegatronScheduling

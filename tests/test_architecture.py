@@ -17,13 +17,13 @@ PACKAGE = Path(xdist_megatron.__file__).parent
 NAME = PACKAGE.name
 # Top to bottom. The modules beside plugin.py (protocol, markers, layouts, placement,
 # sidechannel) are the bottom layer, "base"; plugin.py and __init__.py sit above everything.
-LAYERS = ("top", "xdist", "report", "harnesses", "driver", "ci", "ranks", "coverage", "base")
+LAYERS = ("top", "controller", "report", "harnesses", "driver", "ci", "ranks", "coverage", "base")
 TOP_MODULES = {NAME, f"{NAME}.plugin"}
 PURE = {
     f"{NAME}.placement",
     f"{NAME}.ci.sharding",
-    f"{NAME}.xdist.splitting",
-    f"{NAME}.xdist.worker_launcher",  # it must start in milliseconds: the standard library only
+    f"{NAME}.controller.splitting",
+    f"{NAME}.controller.worker_launcher",  # it starts in milliseconds: the standard library only
 }
 HEAVY = ("torch", "pytest", "_pytest", "xdist", "execnet")
 
@@ -151,7 +151,7 @@ def test_ranks_import_neither_the_driver_nor_the_controller() -> None:
         for module, targets in graph().items()
         if layer(module) == "ranks"
         for target, line in targets
-        if layer(target) in ("driver", "xdist", "report", "top")
+        if layer(target) in ("driver", "controller", "report", "top")
     ]
     assert not wrong, "\n".join(wrong)
 

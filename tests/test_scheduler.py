@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from xdist_megatron.controller.scheduler import MegatronScheduling
 from xdist_megatron.placement import (
     DeviceSet,
     gang_slot,
@@ -23,7 +24,6 @@ from xdist_megatron.placement import (
 )
 from xdist_megatron.protocol import INPUT_KEY
 from xdist_megatron.sidechannel import ItemInfo
-from xdist_megatron.xdist.scheduler import MegatronScheduling
 
 CPU8 = DeviceSet("cpu", tuple(range(8)))
 

@@ -21,7 +21,7 @@ from _simulator import (
     simulate,
 )
 
-from xdist_megatron.xdist.splitting import split_evenly, split_point
+from xdist_megatron.controller.splitting import split_evenly, split_point
 
 LANES = range(100)  # fixed seeds: the same 100 lanes every run
 FREE = Costs(gang_start=0.0, module=0.0)

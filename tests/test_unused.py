@@ -21,7 +21,7 @@ from conftest import ZYGOTES_OF
 NO_PLUGIN = ("-p", "no:xdist_megatron.plugin")
 # The driver's and the ranks' side, the controller's: imported only by a run that uses them.
 HEAVY = ("xdist_megatron.driver.gang", "xdist_megatron.driver.pool", "xdist_megatron.ranks",
-         "xdist_megatron.xdist")  # fmt: skip
+         "xdist_megatron.controller")  # fmt: skip
 
 # What a process of the run sees, at its test (in the serial driver or an xdist worker) and at
 # the end of its session (there and in the xdist controller), written to OBSERVATIONS.

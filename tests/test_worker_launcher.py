@@ -1,4 +1,4 @@
-"""The worker launcher (xdist/worker_launcher.py), which stands in for `python` when execnet
+"""The worker launcher (controller/worker_launcher.py), which stands in for `python` when execnet
 starts an xdist worker: the worker is forked from a real zygote onto the launcher's pipes, its
 exit code (or the signal that killed it) comes back as the launcher's own, the launcher's
 SIGTERM reaches it, a Ctrl-C once, and a launcher killed outright takes the worker with it. A
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 from conftest import alive, assert_gone, assert_no_processes_left
 
+from xdist_megatron.controller.hooks import LAUNCHER
+from xdist_megatron.controller.worker_launcher import SAME_CTRL_C
 from xdist_megatron.driver.zygote_client import ZygoteClient, shared_address
-from xdist_megatron.xdist.hooks import LAUNCHER
-from xdist_megatron.xdist.worker_launcher import SAME_CTRL_C
 
 WHO_AM_I = """
 import os, sys

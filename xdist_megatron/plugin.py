@@ -42,7 +42,7 @@ pytest_plugins = [  # in this order: each imports no later one, so pytest rewrit
 ]
 ROLE_PLUGINS = (
     "xdist_megatron.driver.runtime_hooks",
-    "xdist_megatron.xdist.hooks",
+    "xdist_megatron.controller.hooks",
     "xdist_megatron.driver.fixtures",
 )
 RANK_FIXTURES = ("rank", "world_size", "local_rank", "device", "gang")  # driver/fixtures.py's
@@ -216,7 +216,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_header(config: pytest.Config) -> str | None:
     if _ROLE not in config.stash:
         return None
-    from .xdist import hooks as xdist_hooks
+    from .controller import hooks as xdist_hooks
 
     if xdist_hooks.AUTO_SERIAL in config.stash:
         return f"xdist-megatron: {config.stash[xdist_hooks.AUTO_SERIAL]}"

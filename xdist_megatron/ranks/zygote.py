@@ -12,7 +12,7 @@ Requests arrive on each driver's socket; the rank ends of the ranks' socket pair
 "fork" request as SCM_RIGHTS ancillary data. It reports each rank's exit (code or signal) to its
 driver as soon as it reaps it, kills a driver's ranks when that driver goes, and every child when
 the owner goes.
-It also forks the xdist workers themselves, for `xdist/worker_launcher.py`, which stands in for
+It also forks the xdist workers themselves, for `controller/worker_launcher.py`, which stands in for
 `python` when execnet starts one: a worker forked here starts with everything imported that the
 controller's conftest files made it import, instead of importing it all again, once per worker.
 """
