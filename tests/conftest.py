@@ -96,7 +96,7 @@ def zygotes_of(pid):
                 command = f.read()
         except OSError:
             continue
-        if parent == pid and "xdist_megatron.ranks.zygote" in command:
+        if parent == pid and "xdist_megatron.zygote" in command:
             found.append(int(entry))
     return found
 """

@@ -1,7 +1,7 @@
 """The package's layers (docs/architecture.md): every import of ours, at the top of a module,
 inside a function or under TYPE_CHECKING, points into the same folder or a lower one; no import
-circle between modules; nothing in ranks/ reaches the driver or the controller; the pure modules
-import no torch, pytest or xdist; no module reads another module's private names."""
+circle between modules; nothing in zygote/ or ranks/ reaches the driver or the controller; the
+pure modules import no torch, pytest or xdist; no module reads another module's private names."""
 
 from __future__ import annotations
 
@@ -17,7 +17,18 @@ PACKAGE = Path(xdist_megatron.__file__).parent
 NAME = PACKAGE.name
 # Top to bottom. The modules beside plugin.py (protocol, markers, layouts, placement,
 # sidechannel) are the bottom layer, "base"; plugin.py and __init__.py sit above everything.
-LAYERS = ("top", "controller", "report", "harnesses", "driver", "ci", "ranks", "coverage", "base")
+LAYERS = (
+    "top",
+    "controller",
+    "report",
+    "harnesses",
+    "driver",
+    "ci",
+    "zygote",
+    "ranks",
+    "coverage",
+    "base",
+)
 TOP_MODULES = {NAME, f"{NAME}.plugin"}
 PURE = {
     f"{NAME}.placement",
@@ -145,11 +156,11 @@ def test_no_import_circle_between_layers() -> None:
     assert not cycles(edges)
 
 
-def test_ranks_import_neither_the_driver_nor_the_controller() -> None:
+def test_ranks_and_zygote_import_neither_the_driver_nor_the_controller() -> None:
     wrong = [
         f"{module}:{line} imports {target}"
         for module, targets in graph().items()
-        if layer(module) == "ranks"
+        if layer(module) in ("zygote", "ranks")
         for target, line in targets
         if layer(target) in ("driver", "controller", "report", "top")
     ]

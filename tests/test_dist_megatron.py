@@ -382,7 +382,7 @@ def parent_command():
         return f.read().replace(b"\\0", b" ").decode()
 
 def test_the_worker_is_forked_from_the_zygote():
-    assert "xdist_megatron.ranks.zygote" in parent_command()
+    assert "xdist_megatron.zygote" in parent_command()
     assert sys.argv == ["-c"] and not hasattr(sys.modules["__main__"], "__file__")
 
 def test_environment_is_the_workers(monkeypatch):
@@ -421,7 +421,7 @@ def pytest_configure(config):
     # In the worker (not the controller, not a rank): kill the zygote it was forked from.
     if "PYTEST_XDIST_WORKER" in os.environ and "XDIST_MEGATRON_ZYGOTE" not in os.environ:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            assert b"xdist_megatron.ranks.zygote" in f.read()
+            assert b"xdist_megatron.zygote" in f.read()
         os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(0.5)
 """

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import assert_no_processes_left
 
-from xdist_megatron.ranks.zygote import WARM_PER_KEY
+from xdist_megatron.zygote.server import WARM_PER_KEY
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
 

@@ -41,7 +41,7 @@ SUMMARY = re.compile(r"^!+ KeyboardInterrupt.* !+$", re.MULTILINE)  # pytest's, 
 LANDED = re.compile(r"^(.+?):\d+: KeyboardInterrupt", re.MULTILINE)  # the line under it
 XDIST = ("-n", "2", "--dist", "megatron")
 LAUNCHER = b"worker_launcher.py"  # in the command line of a forked worker's stand-in
-ZYGOTE = b"xdist_megatron.ranks.zygote"  # in the zygote's command line, and its ranks'
+ZYGOTE = b"xdist_megatron.zygote"  # in the zygote's command line, and its ranks'
 
 # A library the driver or the zygote imports slowly: it says so, then takes 30 s (or
 # SLOW_LIB_SECONDS, where a test signals only once the import is over). The

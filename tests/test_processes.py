@@ -381,7 +381,7 @@ def test_packages_outside_the_project_are_preloaded(
     """A package on PYTHONPATH outside the rootdir (a `pip install --target` folder) is
     third-party: the zygote imports it once, so a rank finds it already imported by its parent;
     the project's own helper module is not preloaded (each rank imports it). The zygote runs as
-    `python -m xdist_megatron.ranks.zygote`: the package must not import that module first, or
+    `python -m xdist_megatron.zygote`: the package must not import that module first, or
     it runs twice and Python warns (shown with -s) on the terminal of every session."""
     vendored = tmp_path_factory.mktemp("vendored")
     (vendored / "vendored_lib").mkdir()

@@ -25,7 +25,7 @@ import os, sys
 line = sys.stdin.readline().strip()
 with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
     parent = f.read().split(b"\\0")
-forked = b"xdist_megatron.ranks.zygote" in parent
+forked = b"xdist_megatron.zygote" in parent
 print(line, os.getcwd(), os.environ.get("LAUNCHER_TEST"), sys.argv, forked)
 """
 

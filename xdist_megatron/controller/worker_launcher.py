@@ -16,7 +16,7 @@ process group, and the controller's, which passes it on to its workers): the wor
 once.
 
 Run by path with `python -I`: it imports nothing but the standard library, so that it starts in
-milliseconds, and speaks to the zygote in plain tuples (see `ranks/zygote.py`, FORK_WORKER).
+milliseconds, and speaks to the zygote in plain tuples (see `zygote/server.py`, FORK_WORKER).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class GangPool:
 
     def _spawn(self, preload: list[str], careful: bool = False) -> ZygoteClient:
         """Join the shared zygote on first use; else (or once it failed) start our own;
-        `careful` where a preload spoilt the last one (see ranks/zygote.preload)."""
+        `careful` where a preload spoilt the last one (see zygote/preload.py)."""
         if self._host_zygote is not None and not careful:
             address, self._host_zygote = self._host_zygote, None
             try:

@@ -74,7 +74,7 @@ class ZygoteClient:
         command = [
             sys.executable,
             "-m",
-            "xdist_megatron.ranks.zygote",
+            "xdist_megatron.zygote",
             str(theirs.fileno()),
             json.dumps(options),
         ]

@@ -1,6 +1,6 @@
 """The zygote: a fork server that imports torch and the heavy packages once, then forks ranks.
 
-Started by its owner as `python -m xdist_megatron.ranks.zygote FD OPTIONS_JSON`, with FD one end of
+Started by its owner as `python -m xdist_megatron.zygote FD OPTIONS_JSON`, with FD one end of
 a socket pair and the options `preload`, `standby`, `address`, `cuda`, `careful` and `coverage` (a
 measured owner's CoverageTarget: the preloads are measured and published for it); with an address it
 also listens on that abstract Unix socket for more drivers (the workers of an xdist run share the
@@ -20,9 +20,7 @@ controller's conftest files made it import, instead of importing it all again, o
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import importlib
 import json
 import os
 import pickle
@@ -33,18 +31,16 @@ import sys
 import threading
 import time
 import traceback
-import types
 import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn
+from typing import Any
 
 from .. import pycache
 from ..coverage import rank_coverage
 from ..protocol import (
-    CUDA_AT_IMPORT,
     ZYGOTE_VAR,
     CoverageTarget,
     DriverLeft,
@@ -58,33 +54,13 @@ from ..protocol import (
     RankExited,
     SignalRanks,
 )
+from .child import die_with_zygote, flush_and_exit
+from .preload import BASE_PRELOAD, preload
+from .worker import run_as_python
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 WARM_POOL = "TORCH_WARM_POOL"
-PR_SET_PDEATHSIG = 1
-CUDA_DRIVER = "libcuda.so.1"
 OWNER_POLL = 0.2  # seconds between the checks that the owner is still there
-TRIAL_BREAKS_CUDA = 3  # a trial import's exit code: that module initialised CUDA
-TRIAL_TIMEOUT = 300.0  # seconds; a trial import that takes longer is left to the ranks
-TRIAL_POLL = 0.02  # seconds between looks at the running trials
-TRIALS_AT_ONCE = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
-
-# What every rank needs, imported once here instead of once per rank.
-BASE_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "pytest",
-    "_pytest._code",
-    "_pytest.assertion.rewrite",
-    "xdist_megatron.ranks.rank",
-    "xdist_megatron.ranks.isolation",
-    "xdist_megatron.ranks.rank_session",
-    "_pytest.config",
-    "_pytest.main",
-    "_pytest.python",
-    "_pytest.fixtures",
-    "_pytest.runner",
-)
 
 
 # What a rank's CUDA context depends on, besides its device: set before CUDA initialises.
@@ -120,133 +96,6 @@ class Standby:
     def warmed_up(self) -> bool:
         """A warm standby says so on its control socket once its warm-up is done."""
         return bool(select.select([self.control], [], [], 0)[0])
-
-
-def preload(
-    modules: list[str], cuda: bool, careful: bool = False
-) -> tuple[dict[str, str], list[str]]:
-    """Import each module; return ({name: error} for those that failed, [the module that, where
-    the ranks will use CUDA, made forking unsafe for it]); the imports stop at such a module.
-    `careful`: see _preload_carefully."""
-    if cuda and careful:
-        return _preload_carefully(modules)
-    failures: dict[str, str] = {}
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:  # a broken optional package must not stop the zygote
-            failures[name] = f"{type(exc).__name__}: {exc}"
-        if cuda and not _fork_keeps_cuda_usable():  # also after an import that raised
-            failures[name] = CUDA_AT_IMPORT
-            return failures, [name]
-    return failures, []
-
-
-def _preload_carefully(modules: list[str]) -> tuple[dict[str, str], list[str]]:
-    """For a zygote that replaces one a preload spoilt: past the base preloads, every module
-    and the packages above it are first imported in throwaway forks, those that initialise
-    CUDA there are left to the ranks, and the rest imported here, so that one replacement
-    serves however many such modules a suite has. Level by level, packages first: a package
-    that initialises CUDA leaves every module under it to the ranks untried (most of
-    Model-Optimizer's preloads import `modelopt`, which does: one trial each, every one
-    importing TE, megatron.core and modelopt), and one that does not is imported here before
-    the next level's trials, which then pay only their own imports. A package found is
-    reported too, so that the driver remembers it for its modules."""
-    failures, breaks_cuda = preload([m for m in modules if m in BASE_PRELOAD], cuda=True)
-    pending = [m for m in modules if m not in BASE_PRELOAD]
-    depth = 1
-    while pending and not breaks_cuda:
-        level = list(dict.fromkeys(".".join(m.split(".")[:depth]) for m in pending))
-        spoilers = _cuda_initialisers_by_trial(level)
-        condemned = [m for m in pending if any(_is_under(m, found) for found in spoilers)]
-        failures.update(dict.fromkeys([*sorted(spoilers), *condemned], CUDA_AT_IMPORT))
-        safe = [m for m in level if m not in spoilers and m not in sys.modules]
-        imported, breaks_cuda = preload(safe, cuda=True)
-        failures.update(
-            {m: why for m, why in imported.items() if m in modules or why == CUDA_AT_IMPORT}
-        )
-        if breaks_cuda:  # spared CUDA in its trial, not here: name the preloads it spoils
-            breaks_cuda = [m for m in modules if _is_under(m, breaks_cuda[0])]
-        pending = [m for m in pending if m.count(".") >= depth and m not in condemned]
-        depth += 1
-    return failures, breaks_cuda
-
-
-def _is_under(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
-
-
-def _cuda_initialisers_by_trial(modules: list[str]) -> set[str]:
-    """The modules whose import, in a fork of this process, leaves no fork able to use CUDA
-    (or takes over TRIAL_TIMEOUT); tried side by side, TRIALS_AT_ONCE at a time (every xdist
-    worker's zygote may be trying at once, each fork importing the suite's stack)."""
-    found: set[str] = set()
-    pending = [m for m in modules if m not in sys.modules]
-    running: dict[int, tuple[str, float]] = {}  # pid -> (module, deadline)
-    while pending or running:
-        while pending and len(running) < TRIALS_AT_ONCE:
-            name = pending.pop(0)
-            pid = os.fork()
-            if pid == 0:
-                _exit_after_trial(name)
-            running[pid] = name, time.monotonic() + TRIAL_TIMEOUT
-        time.sleep(TRIAL_POLL)
-        for pid, (name, deadline) in list(running.items()):
-            late = time.monotonic() > deadline
-            if late:
-                os.kill(pid, signal.SIGKILL)
-            # this pid only: os.wait() could reap a rank, whose exit its driver must hear of
-            done, status = os.waitpid(pid, 0 if late else os.WNOHANG)
-            if not done:
-                continue
-            del running[pid]
-            if late or os.waitstatus_to_exitcode(status) == TRIAL_BREAKS_CUDA:
-                found.add(name)
-    return found
-
-
-def _exit_after_trial(name: str) -> NoReturn:
-    """In a throwaway fork: import `name` and exit saying whether CUDA is still usable after;
-    whatever happens, exit (this fork must never go on as a second zygote)."""
-    code = TRIAL_BREAKS_CUDA  # unless shown otherwise
-    try:
-        _die_with_zygote()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        with contextlib.suppress(BaseException):  # the real import reports an error
-            importlib.import_module(name)
-        code = 0 if _fork_keeps_cuda_usable() else TRIAL_BREAKS_CUDA
-    finally:
-        os._exit(code)
-
-
-def _fork_keeps_cuda_usable() -> bool:
-    """Whether a child forked now could still initialise CUDA (torch marks it a 'bad fork'
-    once the parent touched the CUDA driver, even through a mere device count; a C library
-    that called cuInit itself only the driver knows of)."""
-    if _cuda_driver_initialised():
-        return False
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return True
-    if torch.cuda.is_initialized():
-        return False
-    pid = os.fork()
-    if pid == 0:
-        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
-
-
-def _cuda_driver_initialised() -> bool:
-    """Whether anything in this process called cuInit: until then the driver answers every
-    other call with CUDA_ERROR_NOT_INITIALIZED. False where there is no driver."""
-    try:
-        driver = ctypes.CDLL(CUDA_DRIVER)
-    except OSError:
-        return False
-    count = ctypes.c_int()
-    return driver.cuDeviceGetCount(ctypes.byref(count)) == 0  # CUDA_SUCCESS
 
 
 class Client:
@@ -290,7 +139,7 @@ class Zygote:
         careful: bool = False,
     ) -> None:
         self.cuda = cuda  # whether the ranks will use CUDA, so forks must keep it usable
-        self.careful = careful  # try each preload in a fork first (see preload())
+        self.careful = careful  # try each preload in a fork first (see preload.preload)
         self.breaks_cuda: list[str] = []  # preloads after which no fork could use a GPU
         self.owner = Client(socket.socket(fileno=fd))
         self.clients = [self.owner]
@@ -475,16 +324,16 @@ class Zygote:
         standby, and run the rank; never returns."""
         code = 1
         try:
-            _die_with_zygote()
+            die_with_zygote()
             self._drop_resources()
-            from .rank import run_rank
+            from ..ranks.rank import run_rank
 
             spec, fd = assignment()
             code = run_rank(spec, fd)
         except BaseException:
             traceback.print_exc()
         finally:
-            _flush_and_exit(code)
+            flush_and_exit(code)
 
     def _become_worker(self, cwd: str, environ: dict[str, str], code: str, fds: list[int]) -> None:
         """In the child: drop the zygote's resources and run `code` as `python -u -c code`
@@ -496,11 +345,11 @@ class Zygote:
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
                 os.close(fd)
-            exit_code = _run_as_python(cwd, environ, code)
+            exit_code = run_as_python(cwd, environ, code)
         except BaseException:
             traceback.print_exc()
         finally:
-            _flush_and_exit(exit_code)
+            flush_and_exit(exit_code)
 
     def _drop_resources(self) -> None:
         """In a child: what is the zygote's alone (its signal wake-up, sockets and pipes, its
@@ -588,74 +437,11 @@ def _warm_up(local_rank: int, cuda_env: tuple[tuple[str, str], ...]) -> None:
         dist.destroy_process_group()
 
 
-def _run_as_python(cwd: str, environ: dict[str, str], code: str) -> int:
-    """Make this forked process what `python -u -c code` started in `cwd` with `environ` would
-    be (its own __main__, argv, path, streams on fds 0-2, Python's signal handling), run `code`
-    and the exit handlers as the interpreter's exit would; the exit code."""
-    import atexit
-
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
-    for signum in (signal.SIGPIPE, signal.SIGXFSZ):  # as Python's start-up leaves them
-        signal.signal(signum, signal.SIG_IGN)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
-    sys.argv = ["-c"]
-    sys.path[0] = ""
-    _forget_pytest_plugins()
-    main = sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        exec(compile(code, "<string>", "exec"), main.__dict__)
-        exit_code = 0
-    except SystemExit as done:
-        if done.code is None or isinstance(done.code, int):
-            exit_code = done.code or 0
-        else:  # sys.exit("message"): the interpreter prints it and exits with 1
-            print(done.code, file=sys.stderr)
-            exit_code = 1
-    except BaseException:
-        traceback.print_exc()
-        exit_code = 1
-    atexit._run_exitfuncs()
-    return exit_code
-
-
-def _forget_pytest_plugins() -> None:
-    """pytest rewrites the asserts of the plugins it loads (pytest11 entry points, this one
-    too), and warns of each that was imported before: the worker imports them again itself."""
-    from importlib import metadata
-
-    plugins = {entry.module.partition(".")[0] for entry in metadata.entry_points(group="pytest11")}
-    for name in [name for name in sys.modules if name.partition(".")[0] in plugins]:
-        del sys.modules[name]
-
-
-def _flush_and_exit(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
-
-
 def _end_process_group(leader: int) -> None:
     """What a child that has ended left in its process group: the processes its tests started
     and did not end, which a rank killed by a signal (a crash, a hang) never could."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(leader, signal.SIGKILL)
-
-
-def _die_with_zygote() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _exit_with_owner(children: Callable[[], set[int]]) -> None:
@@ -711,7 +497,3 @@ def main(argv: list[str]) -> int:
     zygote.preload_for(zygote.owner, modules)  # one that breaks CUDA: the owner starts another
     zygote.serve()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
