@@ -302,16 +302,21 @@ def simulator() -> Any:
     return _simulator
 
 
+SCHEDULER_PATHS = ("xdist_megatron/controller/scheduler.py", "xdist_megatron/xdist/scheduler.py")
+
+
 def scheduler_at(revision: str) -> Any:
     """`MegatronScheduling` as it was at git `revision`, loaded beside today's package (its
     imports resolve there), to simulate the scheduler before a change; BenchmarkError when git
     cannot show it."""
-    path = "xdist_megatron/controller/scheduler.py"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shown = subprocess.run(
-        ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, text=True
-    )
-    if shown.returncode != 0:
+    for path in SCHEDULER_PATHS:  # the newest first: the folder was renamed
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            break
+    else:
         raise BenchmarkError(f"git show {revision}:{path}: {shown.stderr.strip()}")
     name = f"xdist_megatron.controller.scheduler_at_{revision.replace('-', '_').replace('.', '_')}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))

@@ -19,10 +19,10 @@ import pytest
 
 # --- environment variables ---------------------------------------------------------------------
 
-# In the zygote's environment and its ranks': the zygote's pid (a rank knows it is one by it).
 # The package's folder: frames and stack lines under it are the plugin's, folded or cut from what
 # a user is shown of a failure, a timeout or an interrupt.
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# In the zygote's environment and its ranks': the zygote's pid (a rank knows it is one by it).
 ZYGOTE_VAR = "XDIST_MEGATRON_ZYGOTE"
 DEVICE_COUNT_VAR = "XDIST_MEGATRON_DEVICE_COUNT"  # the driver's, so ranks resolve "all" alike
 DEVICES_VAR = "XDIST_MEGATRON_DEVICES"  # the gang's block of devices ("2,3"), on every rank
@@ -33,6 +33,7 @@ XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"  # set by xdist before a worker's confi
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # A preload's failure where the ranks use GPUs: the driver remembers such modules (preload.py)
 CUDA_AT_IMPORT = "initialised CUDA at import; forked ranks could not use the GPU"
+LOCALHOST = "127.0.0.1"  # where the gangs' stores and rendezvous listen, and ports are probed
 
 # --- xdist: the workerinput key, and the attribute a worker's report carries to the controller -
 

@@ -22,11 +22,11 @@ import pytest
 from .. import placement, sidechannel
 from ..ci import durations, selection
 from ..coverage import rank_coverage
+from ..devices import detect_devices
 from ..driver import reporting
-from ..driver.gang import LOCALHOST, detect_devices
 from ..driver.runtime import RUNTIME, gangs_per_device
 from ..harnesses import on_gangs
-from ..protocol import DIST_MODE, INPUT_KEY, RUN_DEVICE_COUNT_VAR, WORKER_VAR
+from ..protocol import DIST_MODE, INPUT_KEY, LOCALHOST, RUN_DEVICE_COUNT_VAR, WORKER_VAR
 from .scheduler import MegatronScheduling
 
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended

@@ -24,11 +24,13 @@ from typing import Any
 
 from .. import placement
 from ..coverage import rank_coverage
+from ..devices import detect_devices
 from ..protocol import (
     DEVICE_COUNT_VAR,
     DEVICES_VAR,
     DIED,
     FAILED,
+    LOCALHOST,
     PASSED,
     STUCK,
     WAITED,
@@ -52,7 +54,6 @@ from .zygote_client import ZygoteClient, ZygoteError, describe_exit
 START_TIMEOUT = 120.0
 FAILURE_GRACE = 2.0  # how long the other ranks may still finish after one rank failed
 STACK_WAIT = 2.0
-LOCALHOST = "127.0.0.1"
 
 
 class GangError(RuntimeError):
@@ -516,16 +517,6 @@ def rank_failure(result: RankResult) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
-
-
-def detect_devices(spec: str | None = None) -> placement.DeviceSet:
-    """The devices this process may use: `spec`, or every visible GPU, or CPU slots."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return placement.parse_devices(
-        spec, gpus, os.cpu_count() or 1, os.environ.get("CUDA_VISIBLE_DEVICES")
-    )
 
 
 def default_backend(devices: placement.DeviceSet) -> str:

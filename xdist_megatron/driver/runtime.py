@@ -89,7 +89,7 @@ class Runtime:
         if self._devices is None and self.xdist:
             self._devices = placement.from_dict(self.xdist["devices"])
         if self._devices is None:
-            from .gang import detect_devices
+            from ..devices import detect_devices
 
             try:
                 detected = detect_devices(self.config.getoption("megatron_devices"))
