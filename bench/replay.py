@@ -48,7 +48,7 @@ from _util import (
     write_json,
 )
 
-WORLD_SIZE_PROPERTY = "world_size"  # what report/run_facts.py names it in the junit properties
+WORLD_SIZE_PROPERTY = "world_size"  # what driver/run_facts.py names it in the junit properties
 DEVICE_COUNTS = (1, 2, 4, 8)
 
 

@@ -249,7 +249,7 @@ def _register_role_plugins(config: pytest.Config) -> None:
 def _register_report_plugins(config: pytest.Config, runtime: Runtime) -> None:
     """Each test's facts on its reports; the run report only where every report arrives (the
     serial driver or the xdist controller)."""
-    from .report.run_facts import RunFacts
+    from .driver.run_facts import RunFacts
 
     manager = config.pluginmanager
     manager.register(RunFacts(runtime), "xdist-megatron-run-facts")

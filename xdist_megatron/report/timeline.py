@@ -1,8 +1,8 @@
 """A run's timeline: where and when each test ran, and when gangs started and retired, with the
 summary the terminal shows. Pure data and arithmetic: no pytest, no torch.
 
-Drivers record the facts (run_facts), reports carry them to the controller, which gathers them
-(run_report) and draws them (gantt).
+Drivers record the facts (driver/run_facts.py), reports carry them to the controller, which
+gathers them (run_report) and draws them (gantt).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ..ci.durations import WORLD_SIZE_PROPERTY
 from ..protocol import GANGS_AT_CALL, HARNESS, SPAN_ATTRIBUTE, WORLD_SIZE
 
 if TYPE_CHECKING:
-    from ..driver.runtime import Runtime
+    from .runtime import Runtime
 
 SERIAL_WORKER = "main"  # the worker name of a run without xdist
 
