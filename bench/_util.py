@@ -16,6 +16,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
@@ -261,6 +262,43 @@ def run_junit_suite(
     progress(f"{label}: python {' '.join(command[1:])}")
     wall, _ = run_checked(command, folder, timeout)
     return junit, wall
+
+
+OUTCOMES = ("passed", "failed", "skipped")
+
+
+def run_for_outcomes(
+    label: str, arguments: list[str], cwd: str, environ: dict[str, str], timeout: float
+) -> tuple[float, list[Any]]:
+    """Run `pytest ARGUMENTS` in `cwd` with `environ` and a junit file; the wall time and the
+    junit's test cases. Exit 1 (some tests failed) is a result, which the caller tabulates."""
+    junit = os.path.join(tempfile.mkdtemp(prefix="bench-junit-"), "junit.xml")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += [f"--junitxml={junit}", *arguments]
+    progress(f"{label}: pytest {' '.join(arguments)}")
+    start = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout
+    )
+    wall = time.perf_counter() - start
+    if done.returncode not in (0, 1):
+        raise BenchmarkError(
+            f"{label}: exit {done.returncode}\n{tail(done.stdout + done.stderr, 40)}"
+        )
+    return wall, list(ElementTree.parse(junit).getroot().iter("testcase"))
+
+
+def outcome_of(case: Any) -> str:
+    """passed, failed or skipped: a junit test case's outcome (an error counts as failed)."""
+    if case.find("skipped") is not None:
+        return "skipped"
+    if case.find("failure") is not None or case.find("error") is not None:
+        return "failed"
+    return "passed"
+
+
+def counted(outcomes: dict[str, str]) -> str:
+    return ", ".join(f"{list(outcomes.values()).count(word)} {word}" for word in OUTCOMES)
 
 
 def passed_times(path: str) -> list[tuple[str, float]]:

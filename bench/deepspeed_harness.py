@@ -17,27 +17,24 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
-import time
-import xml.etree.ElementTree as ElementTree
 
 from _util import (
-    BenchmarkError,
+    OUTCOMES,
+    counted,
     header_lines,
     machine,
+    outcome_of,
     progress,
     ratio,
+    run_for_outcomes,
     table,
-    tail,
     write_record,
 )
 
 INFO = machine()
 NO_PLUGIN = ["-p", "no:xdist_megatron.plugin"]
 RUN_TIMEOUT_S = 3600.0
-OUTCOMES = ("passed", "failed", "skipped")
 SIZE_ID = re.compile(r"ws\d+-|-ws\d+|\[ws\d+\]")  # the plugin's id of one size of a list
 DEFAULT_FILES = [
     "unit/comm/test_dist.py",
@@ -107,45 +104,20 @@ def main() -> int:
 
 
 def _run(
-    mode: str, folder: str, files: list[str], workers: str, environ: dict[str, str]
+    mode: str, folder: str, selection: list[str], workers: str, environ: dict[str, str]
 ) -> tuple[float, dict[str, str]]:
-    junit = os.path.join(tempfile.mkdtemp(prefix="deepspeed-harness-junit-"), "junit.xml")
-    options = [option.format(workers=workers) for option in MODES[mode]]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
-    command += [f"--junitxml={junit}", *files]
-    progress(f"{mode}: pytest {' '.join(options)}")
-    start = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=folder, env=environ, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    wall = time.perf_counter() - start
-    if done.returncode not in (0, 1):  # 1: some tests failed, which the table shows
-        output = tail(done.stdout + done.stderr, 40)
-        raise BenchmarkError(f"{mode}: exit {done.returncode}\n{output}")
-    outcomes = _outcomes(junit)
-    counts = ", ".join(f"{list(outcomes.values()).count(word)} {word}" for word in OUTCOMES)
-    progress(f"{mode}: {wall:.1f} s, {counts}")
-    return wall, outcomes
-
-
-def _outcomes(junit: str) -> dict[str, str]:
-    """Test id -> passed, failed or skipped, from pytest's junit XML; a test split by size
-    takes its sizes' outcome."""
-    found: dict[str, set[str]] = {}
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+    """The mode's wall and outcomes; a test split by size takes its sizes' outcome (failed if
+    one failed, else skipped if one skipped)."""
+    arguments = [*(option.format(workers=workers) for option in MODES[mode]), *selection]
+    wall, cases = run_for_outcomes(mode, arguments, folder, environ, RUN_TIMEOUT_S)
+    seen: dict[str, set[str]] = {}
+    for case in cases:
         name = SIZE_ID.sub("", case.get("name", "")).replace("[]", "")
-        test = f"{case.get('classname')}::{name}"
-        if case.find("skipped") is not None:
-            outcome = "skipped"
-        elif case.find("failure") is not None or case.find("error") is not None:
-            outcome = "failed"
-        else:
-            outcome = "passed"
-        found.setdefault(test, set()).add(outcome)
-    return {
-        test: next(o for o in ("failed", "skipped", "passed") if o in seen)
-        for test, seen in found.items()
-    }
+        seen.setdefault(f"{case.get('classname')}::{name}", set()).add(outcome_of(case))
+    order = ("failed", "skipped", "passed")
+    outcomes = {test: next(o for o in order if o in found) for test, found in seen.items()}
+    progress(f"{mode}: {wall:.1f} s, {counted(outcomes)}")
+    return wall, outcomes
 
 
 if __name__ == "__main__":

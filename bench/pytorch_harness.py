@@ -19,24 +19,24 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ElementTree
 
 from _util import (
-    BenchmarkError,
+    OUTCOMES,
+    counted,
     header_lines,
     machine,
+    outcome_of,
     progress,
     ratio,
+    run_for_outcomes,
     table,
-    tail,
     write_record,
 )
 
 INFO = machine()
 NO_PLUGIN = ["-p", "no:xdist_megatron.plugin"]
 RUN_TIMEOUT_S = 3600.0
-OUTCOMES = ("passed", "failed", "skipped")
 
 
 def main() -> int:
@@ -121,39 +121,19 @@ def _selected(folder: str, files: list[str], every: int, environ: dict[str, str]
 def _run(
     mode: str, folder: str, ids: list[str], workers: str, environ: dict[str, str]
 ) -> tuple[float, dict[str, str]]:
-    junit = os.path.join(tempfile.mkdtemp(prefix="pytorch-harness-junit-"), "junit.xml")
     options = [option.format(workers=workers) for option in MODES[mode]]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
-    command += [f"--rootdir={folder}", f"--junitxml={junit}", *ids]
-    progress(f"{mode}: pytest {' '.join(options)} ({len(ids)} tests)")
-    start = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=folder, env=environ, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    wall = time.perf_counter() - start
-    if done.returncode not in (0, 1):  # 1: some tests failed, which the table shows
-        output = tail(done.stdout + done.stderr, 40)
-        raise BenchmarkError(f"{mode}: exit {done.returncode}\n{output}")
-    outcomes = _outcomes(junit)
-    counts = ", ".join(f"{list(outcomes.values()).count(word)} {word}" for word in OUTCOMES)
-    progress(f"{mode}: {wall:.1f} s, {counts}")  # a run cut short still leaves these
+    arguments = [*options, f"--rootdir={folder}", *ids]
+    wall, cases = run_for_outcomes(mode, arguments, folder, environ, RUN_TIMEOUT_S)
+    outcomes = {_nodeid(case): outcome_of(case) for case in cases}
+    progress(f"{mode}: {wall:.1f} s, {counted(outcomes)}")  # a run cut short still leaves these
     return wall, outcomes
 
 
-def _outcomes(junit: str) -> dict[str, str]:
-    """Node id -> passed, failed or skipped, from pytest's junit XML."""
-    found = {}
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        path = case.get("classname", "").replace(".", "/")
-        module, _, cls = path.rpartition("/")
-        nodeid = f"{module}.py::{cls}::{case.get('name')}"
-        if case.find("skipped") is not None:
-            found[nodeid] = "skipped"
-        elif case.find("failure") is not None or case.find("error") is not None:
-            found[nodeid] = "failed"
-        else:
-            found[nodeid] = "passed"
-    return found
+def _nodeid(case: ElementTree.Element) -> str:
+    """The node id of a junit test case of these files (classes in modules)."""
+    path = case.get("classname", "").replace(".", "/")
+    module, _, cls = path.rpartition("/")
+    return f"{module}.py::{cls}::{case.get('name')}"
 
 
 if __name__ == "__main__":
