@@ -265,6 +265,14 @@ def run_junit_suite(
 
 
 OUTCOMES = ("passed", "failed", "skipped")
+NO_PLUGIN = ["-p", "no:xdist_megatron.plugin"]
+# A spawn harness's suite with and without the plugin: its options per mode ({workers}: -n's).
+HARNESS_MODES = {
+    "plain serial": NO_PLUGIN,
+    "plain -n": [*NO_PLUGIN, "-n", "{workers}"],
+    "plugin serial": [],
+    "plugin -n": ["-n", "{workers}", "--dist", "megatron"],
+}
 
 
 def run_for_outcomes(

@@ -20,6 +20,7 @@ import re
 import sys
 
 from _util import (
+    HARNESS_MODES,
     OUTCOMES,
     counted,
     header_lines,
@@ -33,7 +34,6 @@ from _util import (
 )
 
 INFO = machine()
-NO_PLUGIN = ["-p", "no:xdist_megatron.plugin"]
 RUN_TIMEOUT_S = 3600.0
 SIZE_ID = re.compile(r"ws\d+-|-ws\d+|\[ws\d+\]")  # the plugin's id of one size of a list
 DEFAULT_FILES = [
@@ -41,12 +41,6 @@ DEFAULT_FILES = [
     "unit/runtime/zero/test_zero_leaf_module.py",
     "unit/utils/test_init_on_device.py",
 ]
-MODES = {
-    "plain serial": NO_PLUGIN,
-    "plain -n": [*NO_PLUGIN, "-n", "{workers}"],
-    "plugin serial": [],
-    "plugin -n": ["-n", "{workers}", "--dist", "megatron"],
-}
 
 
 def main() -> int:
@@ -58,7 +52,8 @@ def main() -> int:
     parser.add_argument("--local-size", default="4", help="LOCAL_SIZE with --devices cpu")
     parser.add_argument("--timeout", default="300", help="DS_UNITTEST_TIMEOUT (default 300)")
     parser.add_argument("-k", dest="keyword", help="pytest's -k, in every run")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    modes = list(HARNESS_MODES)
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     parser.add_argument("--json", help="write the numbers here too")
     args = parser.parse_args()
 
@@ -108,7 +103,7 @@ def _run(
 ) -> tuple[float, dict[str, str]]:
     """The mode's wall and outcomes; a test split by size takes its sizes' outcome (failed if
     one failed, else skipped if one skipped)."""
-    arguments = [*(option.format(workers=workers) for option in MODES[mode]), *selection]
+    arguments = [*(option.format(workers=workers) for option in HARNESS_MODES[mode]), *selection]
     wall, cases = run_for_outcomes(mode, arguments, folder, environ, RUN_TIMEOUT_S)
     seen: dict[str, set[str]] = {}
     for case in cases:

@@ -22,6 +22,8 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 
 from _util import (
+    HARNESS_MODES,
+    NO_PLUGIN,
     OUTCOMES,
     counted,
     header_lines,
@@ -35,7 +37,6 @@ from _util import (
 )
 
 INFO = machine()
-NO_PLUGIN = ["-p", "no:xdist_megatron.plugin"]
 RUN_TIMEOUT_S = 3600.0
 
 
@@ -48,7 +49,8 @@ def main() -> int:
     parser.add_argument("--devices", choices=("cpu", "visible"), default="visible")
     parser.add_argument("--backend", default="gloo", help="BACKEND of the files (default gloo)")
     parser.add_argument("--world-size", default="2", help="WORLD_SIZE of the files (default 2)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    modes = list(HARNESS_MODES)
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     parser.add_argument("--json", help="write the numbers here too")
     args = parser.parse_args()
 
@@ -87,14 +89,6 @@ def main() -> int:
     return 0
 
 
-MODES = {
-    "plain serial": NO_PLUGIN,
-    "plain -n": [*NO_PLUGIN, "-n", "{workers}"],
-    "plugin serial": [],
-    "plugin -n": ["-n", "{workers}", "--dist", "megatron"],
-}
-
-
 def _environment(devices: str, backend: str, world_size: str) -> dict[str, str]:
     """What PyTorch's run_test.py sets for these files: the backend, the world size, its temp
     folders and a file init method."""
@@ -121,7 +115,7 @@ def _selected(folder: str, files: list[str], every: int, environ: dict[str, str]
 def _run(
     mode: str, folder: str, ids: list[str], workers: str, environ: dict[str, str]
 ) -> tuple[float, dict[str, str]]:
-    options = [option.format(workers=workers) for option in MODES[mode]]
+    options = [option.format(workers=workers) for option in HARNESS_MODES[mode]]
     arguments = [*options, f"--rootdir={folder}", *ids]
     wall, cases = run_for_outcomes(mode, arguments, folder, environ, RUN_TIMEOUT_S)
     outcomes = {_nodeid(case): outcome_of(case) for case in cases}
