@@ -341,3 +341,32 @@ def test_tests_launch_on_gangs_with_the_harness_verdicts(deepspeed_suite, run_py
         assert "DeepSpeed DistributedTest: 10 tests on gangs, 1 with a size over" in output
         assert "TestOverTheDevices::test PASSED" in output
         assert "DeepSpeed DistributedTest: 11 launches on gangs; spawned: 1 size over" in output
+
+
+MARKED_LIST = """
+import pytest
+
+import deepspeed.comm as dist
+from unit.common import DistributedTest
+
+
+class TestMarkedList(DistributedTest):
+    @pytest.mark.world_size([1])  # the harness's mark: a list would be a usage error of ours
+    def test(self):
+        assert dist.get_world_size() == 1
+"""
+
+
+def test_with_harnesses_off_the_suite_spawns_and_its_mark_stays_its_own(
+    deepspeed_suite, run_pytest
+):
+    """--megatron-harnesses off: the harness's own pool runs the test, and its `world_size`
+    mark is still not the plugin's marker (a list there was a collection error)."""
+    deepspeed_suite.path.joinpath("unit/test_marked_list.py").write_text(MARKED_LIST)
+    result = run_pytest(
+        "-v", "--megatron-harnesses", "off", "--megatron-devices", "cpu:2",
+        "unit/test_marked_list.py", timeout=120, env={"LOCAL_SIZE": "4"},
+    )  # fmt: skip
+    output = result.stdout.str()
+    assert "TestMarkedList::test PASSED" in output, output
+    assert "launches on gangs" not in output and "tests on gangs" not in output, output
