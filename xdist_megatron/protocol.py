@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,6 +293,19 @@ class RankEnd:
     rank: int
     world_size: int
     code: int  # as RankExited's
+
+
+def describe_exit(code: int | None) -> str:
+    """'exited with code 3' / 'was killed by signal SIGKILL (9)' / 'closed its connection'."""
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "signal"
+        return f"was killed by signal {name} ({-code})"
+    return f"exited with code {code}"
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,17 @@ from .. import placement, sidechannel
 from ..ci import durations, selection
 from ..coverage import rank_coverage
 from ..devices import detect_devices
-from ..driver import reporting
 from ..driver.runtime import RUNTIME, gangs_per_device
 from ..harnesses import on_gangs
-from ..protocol import DIST_MODE, INPUT_KEY, LOCALHOST, RUN_DEVICE_COUNT_VAR, WORKER_VAR
+from ..protocol import (
+    DIST_MODE,
+    INPUT_KEY,
+    LOCALHOST,
+    RUN_DEVICE_COUNT_VAR,
+    WORKER_VAR,
+    RankEnd,
+    describe_exit,
+)
 from .scheduler import MegatronScheduling
 
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
@@ -253,7 +260,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     runtime = sched.config.stash[RUNTIME]
     ends = runtime.ranks_left_with(report.node.gateway.id, RANK_END_WAIT)
     if ends:
-        report.longrepr = reporting.worker_crash(report.longrepr, world_size, ends)
+        report.longrepr = _worker_crash(report.longrepr, world_size, ends)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -270,3 +277,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         session_dir=runtime.session_dir,
         log=log,
     )
+
+
+def _worker_crash(headline: str, world_size: int, ends: list[RankEnd]) -> str:
+    """xdist's report of a worker that crashed while its gang ran the test: its headline names
+    what happened first (`worker 'gw0' crashed while running ...`); how the gang's ranks ended
+    then follows it."""
+    lines = [f"rank {e.rank} {describe_exit(e.code)}" for e in ends if e.world_size == world_size]
+    if not lines:
+        return headline
+    return "\n".join([headline, f"its gang of {world_size} ended with it:", *lines])

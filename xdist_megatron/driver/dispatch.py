@@ -18,7 +18,7 @@ import pytest
 
 from .. import markers
 from ..protocol import WORLD_SIZE, TestJob, module_of
-from . import reporting
+from . import rank_reports
 from .gang import GangError
 from .zygote_client import ZygoteError
 
@@ -72,14 +72,14 @@ class GangDispatch:
             exclusive = markers.is_exclusive(item)
             results = runtime.pool.execute(world_size, module, job, timeout, exclusive)
         except (GangError, ZygoteError) as exc:  # no gang: say why, without our own frames
-            return reporting.no_gang(item, str(exc))
+            return rank_reports.no_gang(item, str(exc))
         for result in results:
             if result.note:
                 _say(item, f"rank {result.rank}: {result.note}")
         _forward_warnings(item, results)
-        reports = reporting.merge(item, results)
+        reports = rank_reports.merge(item, results)
         pool = runtime.pool
-        reporting.add_sharing(reports, pool.sharing, pool.locks.slots)
+        rank_reports.add_sharing(reports, pool.sharing, pool.locks.slots)
         return reports
 
 

@@ -43,13 +43,14 @@ from ..protocol import (
     Ready,
     ShutdownJob,
     TestJob,
+    describe_exit,
 )
 from ..ranks.capture import output_paths
 from ..ranks.rank import STACK_SIGNAL
 from . import stacks as stacks_
 from .preload import ALWAYS_PRELOAD
 from .timeouts import DEFAULT_TIMEOUT
-from .zygote_client import ZygoteClient, ZygoteError, describe_exit
+from .zygote_client import ZygoteClient, ZygoteError
 
 START_TIMEOUT = 120.0
 FAILURE_GRACE = 2.0  # how long the other ranks may still finish after one rank failed

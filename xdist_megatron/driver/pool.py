@@ -18,11 +18,12 @@ from ..protocol import (
     Job,
     RankResult,
     ResetJob,
+    describe_exit,
 )
 from .gang import Gang, GangError, retire_cause
 from .locks import DeviceLocks
 from .preload import ALWAYS_PRELOAD
-from .zygote_client import ForkRefused, ZygoteClient, describe_exit
+from .zygote_client import ForkRefused, ZygoteClient
 
 RESET_TIMEOUT = 120.0
 SESSION_SCOPE, MODULE_SCOPE = "session", "module"

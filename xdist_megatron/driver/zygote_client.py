@@ -301,16 +301,3 @@ def _zygote_env() -> dict[str, str]:
     package_root = str(PACKAGE_DIR.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return rank_coverage.zygote_env(env)
-
-
-def describe_exit(code: int | None) -> str:
-    """'exited with code 3' / 'was killed by signal SIGKILL (9)' / 'closed its connection'."""
-    if code is None:
-        return "closed its connection"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "signal"
-        return f"was killed by signal {name} ({-code})"
-    return f"exited with code {code}"

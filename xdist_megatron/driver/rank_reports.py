@@ -16,8 +16,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from ..protocol import DIED, FAILED, STUCK, WAITED, RankEnd, RankResult
-from .zygote_client import describe_exit
+from ..protocol import DIED, FAILED, STUCK, WAITED, RankResult
 
 PHASES = ("setup", "call", "teardown")
 
@@ -95,16 +94,6 @@ def no_gang(item: pytest.Item, why: str) -> list[pytest.TestReport]:
         _report(item, "call", "failed", why),
         _report(item, "teardown", "passed", None),
     ]
-
-
-def worker_crash(headline: str, world_size: int, ends: list[RankEnd]) -> str:
-    """xdist's report of a worker that crashed while its gang ran the test: its headline names
-    what happened first (`worker 'gw0' crashed while running ...`); how the gang's ranks ended
-    then follows it."""
-    lines = [f"rank {e.rank} {describe_exit(e.code)}" for e in ends if e.world_size == world_size]
-    if not lines:
-        return headline
-    return "\n".join([headline, f"its gang of {world_size} ended with it:", *lines])
 
 
 def _add_rank_failure(
