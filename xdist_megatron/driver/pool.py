@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO
 
 from .. import placement
 from ..protocol import (
-    CUDA_AT_IMPORT,
     FAILED,
     GangEvent,
     Job,
@@ -22,8 +18,8 @@ from ..protocol import (
 )
 from .gang import Gang, GangError, retire_cause
 from .locks import DeviceLocks
-from .preload import ALWAYS_PRELOAD
-from .zygote_client import ForkRefused, ZygoteClient
+from .zygote_client import ForkRefused
+from .zygote_keeper import ZygoteKeeper
 
 RESET_TIMEOUT = 120.0
 SESSION_SCOPE, MODULE_SCOPE = "session", "module"
@@ -54,7 +50,6 @@ class GangPool:
         self.backend = backend
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
-        self.cuda_initialisers: set[str] = set()  # preloads left to GPU ranks: cached for later
         self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
         self.gang_names: dict[int, str] = {}  # world size -> the current gang's name, "ws2#1"
         self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
@@ -65,28 +60,23 @@ class GangPool:
         # (empty: no rank had CUDA): the run report's peak GPU memory per device.
         self.last_gpu_used: tuple[int, ...] = ()
         self._logged_retired: set[str] = set()
-        self._preload = preload
-        self._largest_size = largest_size
-        self._quiet = quiet_zygote
         self._gangs: dict[int, Gang] = {}
-        self._zygote: ZygoteClient | None = None
-        self._checked: ZygoteClient | None = None  # the zygote whose preload failures are noted
-        self._started_early = False  # before collection; it has not heard what collection found
-        self._host_zygote = host_zygote  # the address of a shared zygote, tried first
-        self._host_zygote_log = host_zygote_log
-        self._name = name  # this driver's xdist worker id, told to the shared zygote
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
-        self._log: IO[bytes] | None = None
-        self._adopted_log: str | None = None
+        self.zygote = ZygoteKeeper(
+            devices,
+            preload,
+            largest_size,
+            self._workdir,
+            quiet_zygote,
+            host_zygote,
+            host_zygote_log,
+            name,
+        )
 
     @property
-    def zygote_log(self) -> str:
-        """Where the ranks' output outside their tests goes (the shared zygote's, if used)."""
-        if self._zygote is not None and self._zygote.process is None and self._host_zygote_log:
-            return self._host_zygote_log
-        if self._adopted_log is not None:
-            return self._adopted_log
-        return os.path.join(self._workdir, "zygote.log")
+    def all_notes(self) -> list[str]:
+        """What the terminal summary says of the gangs and of their zygote."""
+        return self.notes + self.zygote.notes
 
     def block(self, world_size: int) -> tuple[int, ...]:
         """This worker's devices for a gang of `world_size` ranks."""
@@ -125,7 +115,7 @@ class GangPool:
     def prepare(self, world_size: int) -> None:
         """Wait for the zygote's imports, then start the gang of `world_size` if it has none, all
         before taking the devices from others (forking and joining create contexts only)."""
-        self._live_zygote()
+        self.zygote.live()
         self._ensure_started(world_size)
 
     def _ensure_started(self, world_size: int) -> None:
@@ -152,7 +142,8 @@ class GangPool:
         lost = gang.lost_ranks() if gang is not None and gang.alive else []
         if lost:
             rank = lost[0]
-            code = self._zygote.reported_exit(gang.pids[rank]) if self._zygote else None
+            client = self.zygote.client
+            code = client.reported_exit(gang.pids[rank]) if client is not None else None
             why = f"rank {rank} {describe_exit(code)} between tests"
             self.notes.append(f"gang of {world_size}: {why}; replaced it")
             gang.retire()
@@ -184,7 +175,7 @@ class GangPool:
     def _start(self, world_size: int) -> Gang:
         try:
             return self._start_once(world_size)
-        except ForkRefused:  # another worker's preload spoilt the shared zygote: _live_zygote
+        except ForkRefused:  # another worker's preload spoilt the shared zygote: live()
             try:  # has a fresh one start without it
                 return self._start_once(world_size)
             except ForkRefused as exc:
@@ -196,7 +187,7 @@ class GangPool:
             self.devices,
             self.block(world_size),
             self.backend,
-            zygote=self._live_zygote(),
+            zygote=self.zygote.live(),
             workdir=self._workdir,
             gangs_at_once=self.gangs_at_once,
         )
@@ -207,7 +198,7 @@ class GangPool:
             del self._gangs[world_size]
             raise
         except GangError as exc:
-            raise GangError(f"{exc}\n{self._log_tail()}") from None
+            raise GangError(f"{exc}\n{self.zygote.log_tail()}") from None
         self._log_started(world_size)
         return gang
 
@@ -225,114 +216,13 @@ class GangPool:
             self._logged_retired.add(name)
             self.events.append(GangEvent(time.time(), "retire", world_size, name, cause))
 
-    def _log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.zygote_log, errors="replace") as f:
-                tail = f.read().splitlines()[-lines:]
-        except OSError:
-            return ""
-        return "rank output before the failure:\n" + "\n".join(tail) if tail else ""
-
-    def start_early(self, preload: list[str]) -> None:
-        """Start the zygote before collection with the preloads known then, so its imports
-        overlap with the collection's; `prestart` adds what collection found."""
-        if self._zygote is None:
-            self._zygote = self._spawn(preload)
-            self._started_early = True
-
-    def adopt(self, zygote: ZygoteClient, log: str) -> None:
-        """Take over a zygote started before collection (logging to `log`), before any gang
-        started; `prestart` adds what collection found."""
-        self._zygote, self._adopted_log = zygote, log
-        self._started_early = True
-
-    def prestart(self) -> None:
-        """Start the zygote now, so its imports overlap with whatever runs before the first gang;
-        one started early imports what the collected test modules need as well."""
-        if self._zygote is None:
-            self._zygote = self._spawn(self._preload())
-        elif self._started_early:
-            self._started_early = False
-            self._zygote.add_preload(self._preload(), standby=self._largest_size())
-
-    def stop_zygote(self) -> None:
-        """Collection found nothing for gangs: the zygote started early is not needed."""
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
-        self._started_early = False
-
-    def _spawn(self, preload: list[str], careful: bool = False) -> ZygoteClient:
-        """Join the shared zygote on first use; else (or once it failed) start our own;
-        `careful` where a preload spoilt the last one (see zygote/preload.py)."""
-        if self._host_zygote is not None and not careful:
-            address, self._host_zygote = self._host_zygote, None
-            try:
-                return ZygoteClient.connect(address, preload, self._name)
-            except OSError as exc:
-                self.notes.append(f"the shared zygote did not answer ({exc}); started our own")
-        return ZygoteClient(
-            preload,
-            self._log_file(),
-            standby=self._largest_size(),
-            cuda=self.devices.is_cuda,
-            careful=careful,
-        )
-
-    def _live_zygote(self) -> ZygoteClient:
-        if self._zygote is not None and not self._zygote.alive:
-            self.notes.append("the zygote died; started a new one")
-            self._zygote.close()
-            self._zygote = None
-        if self._zygote is None:
-            self._zygote = self._spawn(self._preload())
-        while True:
-            zygote = self._zygote
-            failures = zygote.preload_failures
-            if zygote is not self._checked:  # a module only remembered from the last session
-                self._checked = zygote  # and gone since then is no news
-                wanted = set(self._preload())
-                self.notes += [
-                    f"megatron_preload: {m}: {why}" for m, why in failures.items() if m in wanted
-                ]
-            self.cuda_initialisers.update(m for m, why in failures.items() if why == CUDA_AT_IMPORT)
-            poisoned = zygote.breaks_cuda
-            if not poisoned:
-                return zygote
-            remaining = [m for m in zygote.preload if m not in poisoned]
-            if len(remaining) == len(zygote.preload) or set(poisoned) & set(ALWAYS_PRELOAD):
-                raise GangError(  # a replacement would be spoilt again, and so on
-                    f"the zygote's import of {', '.join(poisoned)} initialised CUDA: no fork "
-                    "could use a GPU (an LD_PRELOAD library, or a torch device-backend plugin?)"
-                )
-            self.cuda_initialisers.update(poisoned)  # another driver's, where it is shared
-            self.notes.append(
-                f"the zygote's preload of {', '.join(poisoned)} initialised CUDA: replaced it with"
-                " one that tries each preload in a fork first"
-            )
-            zygote.close()
-            self._zygote = self._spawn(remaining, careful=True)
-
-    def _log_file(self) -> IO[bytes] | None:
-        if not self._quiet:
-            return None
-        if self._log is None:
-            self._log = open(self.zygote_log, "ab")  # noqa: SIM115 - closed in close()
-        return self._log
-
     def close(self, at_once: bool = False) -> None:
         """Shut every gang and the zygote down; nothing of ours outlives this. `at_once`
         (Ctrl-C): the zygote goes first, and takes the ranks with it, instead of waiting
         for it to answer (see ZygoteClient.close)."""
-        if at_once and self._zygote is not None:
-            self._zygote.close(at_once=True)
+        if at_once:
+            self.zygote.close(at_once=True)
         for gang in self._gangs.values():
             gang.close()
         self._gangs.clear()
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        self.zygote.close()

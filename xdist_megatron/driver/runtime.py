@@ -309,7 +309,7 @@ class Runtime:
             return
         modules = preload.known_early(config)
         if modules is not None:
-            self.pool.start_early(modules)
+            self.pool.zygote.start_early(modules)
 
     def collection_done(self, items: list[pytest.Item]) -> None:
         """Start the zygote as soon as a test will need gangs (its imports take seconds), or
@@ -319,15 +319,15 @@ class Runtime:
         early = self.early_zygote()
         if any(WORLD_SIZE in item.stash for item in items):
             if early is not None:
-                self.pool.adopt(early, self.host_zygote_log)
-            self.pool.prestart()
+                self.pool.zygote.adopt(early, self.host_zygote_log)
+            self.pool.zygote.prestart()
             if self.worker == 0:  # one writer per session
                 preload.remember(self.config, self.preload())
             return
         if early is not None:
             early.close()
         if self._pool is not None:
-            self._pool.stop_zygote()
+            self._pool.zygote.stop()
 
     def publish_items(self, items: list[pytest.Item]) -> None:
         """Tell the controller each item's module, world size and class (xdist sends ids
@@ -355,7 +355,7 @@ class Runtime:
                 f"not preloaded, as earlier sessions found they initialise CUDA at import (pytest "
                 f"cache: {preload.CUDA_AT_IMPORT_KEY}): {', '.join(withheld)}"
             )
-        return notes + (self._pool.notes if self._pool is not None else [])
+        return notes + (self._pool.all_notes if self._pool is not None else [])
 
     def close(self, at_once: bool = False) -> None:
         """End the gangs and the zygotes; `at_once` (Ctrl-C): kill them rather than wait for
@@ -364,8 +364,8 @@ class Runtime:
         if early is not None:
             early.close(at_once)
         if self._pool is not None:
-            self._notes += self._pool.notes
-            preload.remember_cuda_initialisers(self.config, self._pool.cuda_initialisers)
+            self._notes += self._pool.all_notes
+            preload.remember_cuda_initialisers(self.config, self._pool.zygote.cuda_initialisers)
             self._pool.close(at_once)
             self._pool = None
         if self._host_zygote is not None:
