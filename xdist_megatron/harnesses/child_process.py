@@ -35,8 +35,9 @@ def gang_group_serves(backend: str) -> bool:
     return backend.lower() in kinds
 
 
-def leave_gang_group() -> None:
-    """Take the gang's default group down, for a child that creates its own."""
+def destroy_default_group() -> None:
+    """Take the default group down, with no collective: the gang's, for a child that creates
+    its own; the child's own, when its part ends (a peer that failed left its own)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -33,7 +33,7 @@ import pytest
 
 from .. import markers
 from ..driver.timeouts import timeout_of
-from ..protocol import GANGS_AT_CALL, HARNESS, PASSED, WORLD_SIZE
+from ..protocol import GANGS_AT_CALL, HARNESS, WORLD_SIZE
 from .on_gangs import GangCaller, HarnessError, free_port, mode
 
 if TYPE_CHECKING:
@@ -215,13 +215,7 @@ class DeepSpeedHarness(GangCaller):
         self.launches += 1
         timeout = min(float(test.exec_timeout), timeout_of(self.item))
         arguments = (test, size, init_method, free_port(), dict(os.environ))
-        results = self.call(size, run_rank, arguments, timeout)
-        failed = [result for result in results if result.outcome != PASSED]
-        if not any(result.lost for result in failed):  # every rank finished: keep the gang
-            failed += self.clean(size)
-        if failed:
-            ranks = ", ".join(str(result.rank) for result in failed)
-            raise HarnessError(f"the test failed on rank(s) {ranks}\n{self.describe(failed)}")
+        results = self.call_and_clean(size, run_rank, arguments, timeout, "the test")
         skips = {result.value for result in results if result.value}
         if len(skips) > 1:
             raise HarnessError(f"the ranks skipped for different reasons: {sorted(skips)}")

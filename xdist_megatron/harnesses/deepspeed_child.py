@@ -19,7 +19,7 @@ from typing import Any
 
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
-from .child_process import gang_group_serves, leave_gang_group, take_parent_environment
+from .child_process import destroy_default_group, gang_group_serves, take_parent_environment
 from .fresh_state import start_fresh
 
 LIBRARY = "deepspeed"
@@ -40,7 +40,7 @@ def run_rank(
     try:
         _start_fresh(type(test))
         if not (test.init_distributed and gang_group_serves(str(test.backend))):
-            leave_gang_group()
+            destroy_default_group()
         return test._dist_run(rank_info().rank, num_procs, port, init_method)
     finally:
         restore_environ(own_environ)

@@ -29,7 +29,7 @@ def start_fresh(
     """Put back the plain attributes of `modules` and of the classes they define, and the
     module-level containers of `registries` (taken as in `modules` too)."""
     registries = registries or []
-    for module in [*modules, *registries]:
+    for module in dict.fromkeys([*modules, *registries]):  # a registry may be among `modules`
         _restore(module.__name__, module)
         for value in list(vars(module).values()):
             if isinstance(value, type) and value.__module__ == module.__name__:

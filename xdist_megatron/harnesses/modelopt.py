@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..driver.timeouts import timeout_of
-from ..protocol import GANGS_AT_CALL, HARNESS, PASSED, WORLD_SIZE
-from .on_gangs import GangCaller, HarnessError, free_port, mode
+from ..protocol import GANGS_AT_CALL, HARNESS, WORLD_SIZE
+from .on_gangs import GangCaller, free_port, mode
 
 if TYPE_CHECKING:
     from ..driver.runtime import Runtime
@@ -129,13 +129,7 @@ class ModelOptHarness(GangCaller):
         item.stash[HARNESS] = FUNCTION
         item.stash.setdefault(WORLD_SIZE, size)
         self.jobs += 1
-        results = self.call(size, fn, arguments, timeout_of(item))
-        failed = [result for result in results if result.outcome != PASSED]
-        if not any(result.lost for result in failed):  # every rank finished: keep the gang
-            failed += self.clean(size)
-        if failed:
-            ranks = ", ".join(str(result.rank) for result in failed)
-            raise HarnessError(f"the job failed on rank(s) {ranks}\n{self.describe(failed)}")
+        self.call_and_clean(size, fn, arguments, timeout_of(item), "the job")
 
     def unfit(self, size: int, job: Any) -> str:
         """Why a job of `size` spawns as without the plugin (empty: it runs on a gang)."""

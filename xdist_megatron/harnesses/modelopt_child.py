@@ -19,7 +19,7 @@ from typing import Any
 
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
-from .child_process import gang_group_serves, leave_gang_group, take_parent_environment
+from .child_process import destroy_default_group, gang_group_serves, take_parent_environment
 from .fresh_state import start_fresh
 
 SEED = 1234  # the harness's torch.manual_seed
@@ -70,7 +70,7 @@ def _as_spawned(backend: str, port: int, environ: dict[str, str]) -> Iterator[tu
     os.environ.update(_child_variables(rank, size, port))
     try:
         if not gang_group_serves(backend):
-            leave_gang_group()
+            destroy_default_group()
             dist.init_process_group(backend, rank=rank, world_size=size)
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(rank)

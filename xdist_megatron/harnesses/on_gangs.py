@@ -78,6 +78,22 @@ class GangCaller:
         payload = pickle.dumps((fn, arguments, {}))
         return self._execute(world_size, CallJob(payload, list(sys.path), main_path), timeout)
 
+    def call_and_clean(
+        self, world_size: int, fn: Callable[..., Any], arguments: tuple, timeout: float, what: str
+    ) -> list[RankResult]:
+        """`call`, then the per-job cleanup where every rank finished (a rank lost takes its
+        gang with it); a failure on any rank fails the test with each failing rank's traceback,
+        naming `what` failed."""
+        __tracebackhide__ = True
+        results = self.call(world_size, fn, arguments, timeout)
+        failed = [result for result in results if result.outcome != PASSED]
+        if not any(result.lost for result in failed):  # every rank finished: keep the gang
+            failed += self.clean(world_size)
+        if failed:
+            ranks = ", ".join(str(result.rank) for result in failed)
+            raise HarnessError(f"{what} failed on rank(s) {ranks}\n{self.describe(failed)}")
+        return results
+
     def clean(self, world_size: int) -> list[RankResult]:
         """The per-job cleanup on the gang (it restores the gang's default group)."""
         results = self._execute(world_size, CleanupJob(), CLEANUP_TIMEOUT)

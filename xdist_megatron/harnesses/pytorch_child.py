@@ -26,7 +26,7 @@ from typing import Any
 
 from ..ranks.isolation import restore_environ
 from ..ranks.rank import rank_info
-from .child_process import take_parent_environment
+from .child_process import destroy_default_group, take_parent_environment
 from .device_view import HARNESS_PACKAGE
 from .fresh_state import start_fresh
 
@@ -41,7 +41,6 @@ def run_child(
 ) -> tuple[int, str | None, int]:
     """`cls._run(rank, test_name, file_name, pipe, **kwargs)` as a spawned child runs it; its
     exit code, the traceback it sent its parent (if any) and the pid that ran it."""
-    import torch.distributed as dist
 
     rank = rank_info().rank
     own_environ = dict(os.environ)
@@ -49,8 +48,7 @@ def run_child(
     try:
         module = importlib.import_module(module_name)
         _start_fresh(module)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_default_group()
         parent_end, child_end = Pipe()
         try:
             test_case = functools.reduce(getattr, class_name.split("."), module)
@@ -66,9 +64,8 @@ def run_child(
         sent = _received(parent_end)
         parent_end.close()
         return code, sent, os.getpid()
-    finally:  # what a child's exit takes with it: every group it made (no collective: a peer
-        if dist.is_initialized():  # that failed left its own undestroyed)
-            dist.destroy_process_group()
+    finally:  # what a child's exit takes with it: the group it made
+        destroy_default_group()
         restore_environ(own_environ)
 
 
@@ -135,13 +132,11 @@ def run_continuous(
 def end_continuous(rendezvous_file: str) -> None:
     """The class ended: its group goes (no collective: a peer may have failed in one) and this
     rank's own environment comes back."""
-    import torch.distributed as dist
 
     state = _classes.pop(rendezvous_file, None)
     if state is None:  # a replacement gang, which never joined the class
         return
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_default_group()
     restore_environ(state[1])
 
 
@@ -150,14 +145,12 @@ def _join_class(
 ) -> tuple[str | None, dict[str, str]]:
     """The start of a class's worker: the parent's environment and a fresh class, then the
     class's own group in place of the gang's."""
-    import torch.distributed as dist
 
     own_environ = dict(os.environ)
     take_parent_environment(environ, own_environ)
     try:
         _start_fresh(module)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_default_group()
         cls.rank, cls.world_size = rank_info().rank, world_size
         try:
             cls._init_pg(cls.rank, world_size, rendezvous_file)
