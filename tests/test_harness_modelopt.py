@@ -196,6 +196,12 @@ def modelopt_suite(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.path.joinpath("_test_utils/torch/distributed/utils.py").write_text(HELPER)
     pytester.makepyfile(test_modelopt_suite=SUITE, test_pool_suite=POOL_SUITE)
     pytester.makeconftest(POOL_CONFTEST)
+    # A second conftest outside any package, imported after the first: pytest's default import
+    # mode takes the first one's `conftest` out of sys.modules (as Model-Optimizer's tests/gpu
+    # lane's), and its pool fixture must still get the pool on gangs.
+    later = pytester.mkdir("later")
+    later.joinpath("conftest.py").write_text("")
+    later.joinpath("test_later.py").write_text("def test_later():\n    pass\n")
     pytester.makeini("[pytest]\nmegatron_timeout = 6\n")  # the hung job's; none in the harness
     return pytester
 

@@ -25,6 +25,7 @@ import pickle
 import sys
 from collections import Counter
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -57,7 +58,7 @@ def recognised(config: pytest.Config) -> bool:
 def install(config: pytest.Config, runtime: Runtime) -> None:
     """Replace the helper and the pool wherever the suite's modules hold them (once per
     driver); a name whose parameters are not the expected ones is left alone, with a note."""
-    if not recognised(config) or runtime.inprocess is not None or ADAPTER in config.stash:
+    if not recognised(config) or ADAPTER in config.stash:
         return
     module = sys.modules[HELPER_MODULE]
     adapter = config.stash[ADAPTER] = ModelOptHarness(runtime)
@@ -73,8 +74,19 @@ def install(config: pytest.Config, runtime: Runtime) -> None:
             adapter.notes.append(f"{name}{found} is not ({', '.join(PARAMETERS[name])})")
             continue
         adapter.originals[name] = old
-        replaced = _replace(name, old, new, list(sys.modules.values()))
+        replaced = _replace(name, old, new, _holders(config))
         config.add_cleanup(functools.partial(_replace, name, new, old, replaced))
+
+
+def _holders(config: pytest.Config) -> list[Any]:
+    """The modules that may hold the helper's names: those imported, and the conftest files
+    pytest loaded, also where a later one of the same name took `conftest` out of
+    `sys.modules` (pytest's default import mode, for conftest files outside packages)."""
+    modules = {id(m): m for m in list(sys.modules.values()) if m is not None}
+    for plugin in config.pluginmanager.get_plugins():
+        if isinstance(plugin, ModuleType):
+            modules.setdefault(id(plugin), plugin)
+    return list(modules.values())
 
 
 def _replace(name: str, old: Any, new: Any, modules: list[Any]) -> list[Any]:
