@@ -8,7 +8,8 @@ torch (`--tests DIR` holds them; they are not part of this repository): for exam
 `test/distributed/test_distributed_spawn.py`, which runs the `distributed_test` classes shipped
 in the wheel with `BACKEND=gloo WORLD_SIZE=2` and a `TEMP_DIR` with a `barrier` folder, set up
 here as PyTorch's `run_test.py` sets them up (file init). `--every K` runs every K-th test of
-the files (the same ones in each mode), where plain pytest's spawns would take too long.
+each file (the same ones in each mode), where plain pytest's spawns would take too long;
+`FILE:K` among `--files` sets K for that file alone.
 `--devices cpu` hides the GPUs from every run. Progress goes to stderr, the table to stdout.
 """
 
@@ -43,9 +44,13 @@ RUN_TIMEOUT_S = 3600.0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", required=True, help="folder of PyTorch's test files")
-    parser.add_argument("--files", nargs="+", default=["test_distributed_spawn.py"])
+    parser.add_argument(
+        "--files", nargs="+", default=["test_distributed_spawn.py"], help="FILE or FILE:K"
+    )
     parser.add_argument("-n", dest="workers", default="auto", help="xdist workers (default auto)")
-    parser.add_argument("--every", type=int, default=1, help="run every K-th test (default 1)")
+    parser.add_argument(
+        "--every", type=int, default=1, help="run every K-th test of each file (default 1)"
+    )
     parser.add_argument("--devices", choices=("cpu", "visible"), default="visible")
     parser.add_argument("--backend", default="gloo", help="BACKEND of the files (default gloo)")
     parser.add_argument("--world-size", default="2", help="WORLD_SIZE of the files (default 2)")
@@ -56,8 +61,9 @@ def main() -> int:
 
     args.tests = os.path.abspath(args.tests)
     environ = _environment(args.devices, args.backend, args.world_size)
-    ids = _selected(args.tests, args.files, args.every, environ)
-    progress(f"{len(ids)} tests of {', '.join(args.files)}")
+    every = {name: int(k or args.every) for name, _, k in (f.partition(":") for f in args.files)}
+    ids = _selected(args.tests, every, environ)
+    progress(f"{len(ids)} tests of {', '.join(every)}")
     runs = {mode: _run(mode, args.tests, ids, args.workers, environ) for mode in args.modes}
     baseline_mode = args.modes[0]
     baseline = runs[baseline_mode]
@@ -76,11 +82,11 @@ def main() -> int:
         )
         for test in differ[:10]:
             progress(f"{mode}: {test}: {outcomes.get(test)} (vs {baseline[1].get(test)})")
-    title = f"PyTorch's spawn harness: {len(ids)} tests of {', '.join(args.files)}"
+    title = f"PyTorch's spawn harness: {len(ids)} tests of {', '.join(every)}"
     print("\n".join(header_lines(title, INFO)))
     print(
         f"settings: BACKEND={args.backend} WORLD_SIZE={args.world_size}; -n {args.workers}; "
-        f"devices {args.devices}; every {args.every}th test"
+        f"devices {args.devices}; every K-th test of each file: {every}"
     )
     print()
     headers = ["mode", "wall s", f"vs {baseline_mode}", "passed", "failed", "skipped", "differ"]
@@ -102,14 +108,18 @@ def _environment(devices: str, backend: str, world_size: str) -> dict[str, str]:
     return environ
 
 
-def _selected(folder: str, files: list[str], every: int, environ: dict[str, str]) -> list[str]:
+def _selected(folder: str, every: dict[str, int], environ: dict[str, str]) -> list[str]:
+    """Every K-th collected test of each file, in collection order."""
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", *NO_PLUGIN]
-    command += [f"--rootdir={folder}", *files]
+    command += [f"--rootdir={folder}", *every]
     done = subprocess.run(
         command, cwd=folder, env=environ, capture_output=True, text=True, check=True
     )
     ids = [line for line in done.stdout.splitlines() if "::" in line]
-    return ids[::every]
+    selected = []
+    for name, k in every.items():
+        selected += [test for test in ids if test.startswith(name + "::")][::k]
+    return selected
 
 
 def _run(
