@@ -16,7 +16,8 @@ import xdist_megatron
 PACKAGE = Path(xdist_megatron.__file__).parent
 NAME = PACKAGE.name
 # Top to bottom. The modules beside plugin.py (protocol, markers, layouts, placement,
-# sidechannel) are the bottom layer, "base"; plugin.py and __init__.py sit above everything.
+# sidechannel) are the bottom layer, "base"; plugin.py, engage.py and __init__.py sit above
+# everything.
 LAYERS = (
     "top",
     "controller",
@@ -29,7 +30,7 @@ LAYERS = (
     "coverage",
     "base",
 )
-TOP_MODULES = {NAME, f"{NAME}.plugin"}
+TOP_MODULES = {NAME, f"{NAME}.plugin", f"{NAME}.engage"}
 PURE = {
     f"{NAME}.placement",
     f"{NAME}.ci.sharding",

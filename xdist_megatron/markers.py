@@ -94,8 +94,9 @@ def item_world_size(
     return resolve(declared_sizes(marker, item.nodeid)[0], device_count)
 
 
-def default_world_size(value: str | None) -> int | None:
+def default_world_size(config: pytest.Config) -> int | None:
     """--megatron-world-size / megatron_world_size: a positive int, or unset."""
+    value = config.getoption("megatron_world_size") or config.getini("megatron_world_size")
     if value in (None, ""):
         return None
     try:

@@ -8,30 +8,29 @@ written, the header says nothing (the Ctrl-C latch of interrupts.py waits for a 
 A run uses the plugin where that is known before the conftest files load (`early_cache.decide`:
 its options, its ini, the record of the last runs' tests on gangs), or from the moment
 collection finds a test marked for a gang or one that requests a rank fixture no one else
-defines. From then on `_engage` registers the role's hook modules (`driver/runtime_hooks.py`,
-the fixtures, the xdist hooks) and builds the process's Runtime; known early, the zygote starts
-as the conftest files import torch.
+defines. From then on `_engage` builds the runtime of the process's role (`roles.py`): the
+controller's (`controller/runtime.py`), a driver's with its hooks (`driver/runtime_hooks.py`) or
+a rank's (`ranks/inprocess.py`); known early, the zygote starts as the conftest files import
+torch.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-from . import layouts, markers
+from . import layouts, markers, roles
 from .ci import durations, early_cache, selection
 from .driver.timeouts import DEFAULT_TIMEOUT
+from .engage import CONTROLLER_PLUGIN, FIXTURES_PLUGIN, RUNTIME, engage
 from .harnesses import deepspeed as deepspeed_harness
 from .harnesses import device_view, on_gangs
 from .harnesses import modelopt as modelopt_harness
 from .harnesses import pytorch as pytorch_harness
-from .protocol import DIST_MODE, INPUT_KEY, on_gang_rank
+from .protocol import DIST_MODE, INPUT_KEY
 from .report import run_report
-
-if TYPE_CHECKING:
-    from .driver.runtime import Runtime
+from .roles import Role, role_of
 
 pytest_plugins = [  # in this order: each imports no later one, so pytest rewrites them all
     "xdist_megatron.coverage.torchrun_coverage",  # its hooks must precede pytest-cov's
@@ -40,11 +39,6 @@ pytest_plugins = [  # in this order: each imports no later one, so pytest rewrit
     # whether the run has gangs); it acts on Ctrl-C alone.
     "xdist_megatron.driver.interrupts",
 ]
-ROLE_PLUGINS = (
-    "xdist_megatron.driver.runtime_hooks",
-    "xdist_megatron.controller.hooks",
-    "xdist_megatron.driver.fixtures",
-)
 RANK_FIXTURES = ("rank", "world_size", "local_rank", "device", "gang")  # driver/fixtures.py's
 TIMEOUT_HELP = "timeout(seconds): per-test timeout, honoured on gangs as well"
 DIST_HELP = (
@@ -53,7 +47,6 @@ DIST_HELP = (
     "(xdist-megatron)."
 )
 
-_ROLE = pytest.StashKey[ModuleType]()  # runtime_hooks, once the run is known to use the plugin
 _parser: pytest.Parser | None = None
 
 
@@ -159,11 +152,20 @@ def pytest_plugin_registered(plugin: Any, plugin_name: str, manager: Any) -> Non
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
     """Before the conftest files load (and the zygote's start beside them, import_follower.py):
-    is the run known to use the plugin? If so, its role's hook modules from now on. A worker
-    whose CUDA view is its home GPU imports a spawn harness counting the run's devices."""
+    is the run known to use the plugin? If so, the hooks needed before `pytest_configure`: the
+    xdist controller's (its `-n auto`), and the fixtures, registered before the conftest files'
+    (a conftest's fixture of the same name overrides the plugin's). A worker whose CUDA view is
+    its home GPU imports a spawn harness counting the run's devices."""
     device_view.follow_harness_imports()
     if early_cache.decide(early_config, parser):
-        _register_role_plugins(early_config)
+        if not roles.started_as().is_rank:
+            early_config.pluginmanager.import_plugin(CONTROLLER_PLUGIN)
+        early_config.pluginmanager.import_plugin(FIXTURES_PLUGIN)
+
+
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """After xdist's (tryfirst) has decided whether workers start: which process this is."""
+    roles.decide(config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -173,10 +175,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # line, ini and cache), unless another session wrote the cache in between.
     coordinated = INPUT_KEY in getattr(config, "workerinput", {})
     if early_cache.uses_plugin(config) or coordinated:
-        _engage(config)
+        engage(config)
     # The controller sees every report, workers need not; a gang's rank reports to its driver.
-    if not hasattr(config, "workerinput") and not on_gang_rank():
-        recorder = durations.DurationRecorder(config, lambda: _ROLE in config.stash)
+    if role_of(config) not in (Role.WORKER, Role.GANG_RANK):
+        recorder = durations.DurationRecorder(config, lambda: RUNTIME in config.stash)
         config.pluginmanager.register(recorder, "xdist-megatron-durations")
 
 
@@ -185,18 +187,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     plugin, which then starts its zygote (collection goes on beside its imports)."""
     if deepspeed_harness.owns(metafunc.cls):  # its world_size mark is the harness's
         return deepspeed_harness.parametrize(metafunc)
-    role = metafunc.config.stash.get(_ROLE, None)
-    if role is None:
+    runtime = metafunc.config.stash.get(RUNTIME, None)
+    if runtime is None:
         if not _marked(metafunc.definition):
             return
-        role = _engage(metafunc.config, follow=True)
-    role.parametrize(metafunc)
+        runtime = engage(metafunc.config, follow=True)
+    from .driver import collection
+
+    collection.parametrize(metafunc, runtime)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    role = config.stash.get(_ROLE, None)
-    if role is None:
+    runtime = config.stash.get(RUNTIME, None)
+    if runtime is None:
         if not (
             any(_marked(item) or _requests_rank_fixture(item) for item in items)
             or any(pytorch_harness.recognised(item) for item in items)
@@ -204,58 +208,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or modelopt_harness.recognised(config)
         ):
             return
-        role = _engage(config, follow=True)
-    from .driver.runtime import RUNTIME
+        runtime = engage(config, follow=True)
+    from .driver import collection
 
-    pytorch_harness.assign(config, items, config.stash[RUNTIME])
-    deepspeed_harness.assign(config, items, config.stash[RUNTIME])
-    modelopt_harness.install(config, config.stash[RUNTIME])
-    role.assign(config, items)
+    if not role_of(config).is_rank:  # a harness's parent side runs in the driver
+        pytorch_harness.assign(config, items, runtime)
+        deepspeed_harness.assign(config, items, runtime)
+        modelopt_harness.install(config, runtime)
+    collection.assign(config, items, runtime)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    if _ROLE not in config.stash:
+    if RUNTIME not in config.stash:
         return None
     from .controller import hooks as xdist_hooks
 
     if xdist_hooks.AUTO_SERIAL in config.stash:
         return f"xdist-megatron: {config.stash[xdist_hooks.AUTO_SERIAL]}"
-    if xdist_hooks.requested(config) and not config.getoption("tx", None):
+    if xdist_hooks.requested(config) and role_of(config) is Role.SERIAL:
         return "xdist-megatron: --dist megatron without -n: marked tests run serially on gangs here"
     return None
 
 
-def _engage(config: pytest.Config, follow: bool = False) -> ModuleType:
-    """From the moment the run is known to use the plugin: its role's hook modules, the
-    imports followed for the zygote where that is known only at collection (`follow`), the
-    process's Runtime and, in a driver, the plugins that stamp and report its tests."""
-    _register_role_plugins(config)
-    from .driver import import_follower, runtime_hooks  # after: pytest rewrites its plugins
-
-    config.stash[_ROLE] = runtime_hooks
-    if follow:
-        import_follower.start(config)
-    runtime = runtime_hooks.configure(config)
-    if runtime.inprocess is None:
-        _register_report_plugins(config, runtime)
-    return runtime_hooks
-
-
-def _register_role_plugins(config: pytest.Config) -> None:
-    for name in ROLE_PLUGINS:
-        config.pluginmanager.import_plugin(name)  # once; not where `-p no:NAME` blocks it
-
-
-def _register_report_plugins(config: pytest.Config, runtime: Runtime) -> None:
-    """Each test's facts on its reports; the run report only where every report arrives (the
-    serial driver or the xdist controller)."""
-    from .driver.run_facts import RunFacts
-
-    manager = config.pluginmanager
-    manager.register(RunFacts(runtime), "xdist-megatron-run-facts")
-    if not hasattr(config, "workerinput"):
-        report = run_report.RunReport(config, lambda: runtime.devices.ids)
-        manager.register(report, "xdist-megatron-run-report")
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The plugin's section: what the role's runtime has to say (a rank's has nothing)."""
+    notes = getattr(terminalreporter.config.stash.get(RUNTIME, None), "notes", [])
+    if notes:
+        terminalreporter.section("xdist-megatron")
+        for note in notes:
+            terminalreporter.line(note)
 
 
 def _marked(node: pytest.Item) -> bool:

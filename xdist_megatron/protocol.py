@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -51,22 +52,8 @@ GANGS_AT_CALL = pytest.StashKey[bool]()  # on a config: a test body may ask for 
 LAYOUT = pytest.StashKey[tuple]()  # an item's Megatron layout, where it has the marker
 TIMEOUT = pytest.StashKey[float]()  # pytest-timeout's timeout of an item that runs on a gang
 ITEMS = pytest.StashKey[list]()  # the session's collected items, kept by the config
-
-
-def under_torchrun() -> bool:
-    """True in a process started by torchrun (and not in one of our own ranks)."""
-    return all(v in os.environ for v in TORCHRUN_VARS) and ZYGOTE_VAR not in os.environ
-
-
-def on_gang_rank() -> bool:
-    """True in a rank process of one of our gangs."""
-    return ZYGOTE_VAR in os.environ and "RANK" in os.environ
-
-
-def session_owner() -> bool:
-    """True in the serial driver or the xdist controller, which start what a host's processes
-    share; not in a rank, a torchrun rank or an xdist worker."""
-    return not (on_gang_rank() or under_torchrun() or XDIST_WORKER_VAR in os.environ)
+# on a config: end this process's gangs and zygotes at once (Ctrl-C), whatever its role
+CLOSE_NOW = pytest.StashKey[Callable[[], None]]()
 
 
 def module_of(nodeid: str) -> str:

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ..protocol import module_of, under_torchrun, write_json
+from ..protocol import module_of, write_json
+from ..roles import Role, role_of
 from . import early_cache
 
 CACHE_KEY = "xdist_megatron/durations"
@@ -155,7 +156,8 @@ class DurationRecorder:
         if cache is not None:
             cache.set(CACHE_KEY, {**_cached(self.config), **self.measured})
             cache.set(SIZES_KEY, sorted({self.sizes.get(n) or 1 for n in self.measured}))
-            if not under_torchrun():  # its ranks run no gang: they say nothing of the modules
+            # torchrun's ranks run no gang: they say nothing of the modules
+            if role_of(self.config) is not Role.TORCHRUN_RANK:
                 self._record_gang_modules(cache)
         path = file_path(self.config)
         if path is not None and self.config.getoption("megatron_store_durations"):

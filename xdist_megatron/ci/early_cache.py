@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ..protocol import DIST_MODE, on_gang_rank, under_torchrun
+from ..protocol import DIST_MODE
+from ..roles import started_as
 
 # The test modules (rootdir-relative, as in node ids) that had tests on gangs when they last ran.
 GANG_MODULES_KEY = "xdist_megatron/gang_modules"
@@ -52,8 +53,7 @@ def decide(config: pytest.Config, parser: pytest.Parser) -> bool:
     `--dist megatron` on the command line; a suite whose ini gives it gangs; or, by the record,
     tests on gangs in what it collects."""
     config.stash[USES_PLUGIN] = (
-        on_gang_rank()
-        or under_torchrun()
+        started_as().is_rank
         or _asked_for(config, parser)
         or any(config.getini(name) for name in GANG_INI)
         or _gangs_ran_in_its_paths(config)

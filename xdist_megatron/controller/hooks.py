@@ -22,8 +22,7 @@ import pytest
 from .. import placement, sidechannel
 from ..ci import durations, selection
 from ..coverage import rank_coverage
-from ..devices import detect_devices
-from ..driver.runtime import RUNTIME, gangs_per_device
+from ..devices import detect_devices, gangs_per_device
 from ..harnesses import on_gangs
 from ..protocol import (
     DIST_MODE,
@@ -34,6 +33,8 @@ from ..protocol import (
     RankEnd,
     describe_exit,
 )
+from ..roles import Role, role_of
+from .runtime import CONTROLLER_RUNTIME
 from .scheduler import MegatronScheduling
 
 RANK_END_WAIT = 2.0  # seconds the controller waits to hear how a crashed worker's ranks ended
@@ -51,8 +52,7 @@ def requested(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    controller = config.getoption("tx", None) and not hasattr(config, "workerinput")
-    if requested(config) and controller:
+    if requested(config) and role_of(config) is Role.CONTROLLER:
         config.pluginmanager.register(WorkerInterrupts(), WORKER_INTERRUPTS)
 
 
@@ -160,7 +160,7 @@ def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
     Under `--dist megatron` a worker is forked from the shared zygote (`forked_python`)."""
     import execnet
 
-    devices = config.stash[RUNTIME].devices
+    devices = config.stash[CONTROLLER_RUNTIME].devices
     python = forked_python(config)
     ports: list[int] = []
     for index, spec in enumerate(specs):
@@ -186,7 +186,7 @@ def forked_python(config: pytest.Config) -> str | None:
     inherit the zygote's coverage measurement)."""
     if not requested(config) or rank_coverage.driver_target() is not None:
         return None
-    address = config.stash[RUNTIME].host_zygote()
+    address = config.stash[CONTROLLER_RUNTIME].host_zygote()
     return f"{sys.executable} -I {LAUNCHER} {address}"
 
 
@@ -231,13 +231,13 @@ def listenable(port: int) -> bool:
 def placed_devices(config: pytest.Config) -> placement.DeviceSet:
     """The run's devices as the workers place gangs on them: knowing how many workers share
     them, so each worker's blocks nest (`placement.gang_slot`)."""
-    devices = config.stash[RUNTIME].devices
+    devices = config.stash[CONTROLLER_RUNTIME].devices
     return placement.shared_by(devices, len(config.getoption("tx")))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    runtime = node.config.stash[RUNTIME]
+    runtime = node.config.stash[CONTROLLER_RUNTIME]
     node.workerinput[INPUT_KEY] = {
         "worker": int(node.gateway.spec.env.get(WORKER_VAR, 0)),
         "devices": placement.to_dict(placed_devices(node.config)),
@@ -257,7 +257,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     world_size = sched.world_size_of(crashitem)
     if world_size is None:  # an unmarked test: it ran in the worker, on no gang
         return
-    runtime = sched.config.stash[RUNTIME]
+    runtime = sched.config.stash[CONTROLLER_RUNTIME]
     ends = runtime.ranks_left_with(report.node.gateway.id, RANK_END_WAIT)
     if ends:
         report.longrepr = _worker_crash(report.longrepr, world_size, ends)
@@ -267,7 +267,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if not requested(config):
         return None
-    runtime = config.stash[RUNTIME]
+    runtime = config.stash[CONTROLLER_RUNTIME]
     return MegatronScheduling(
         config,
         placed_devices(config),

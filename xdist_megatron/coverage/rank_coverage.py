@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -75,6 +75,14 @@ def zygote_env(env: dict[str, str]) -> dict[str, str]:
     if driver_target() is None:
         return env
     return {name: value for name, value in env.items() if name not in PROCESS_START_VARS}
+
+
+def close_and_combine(close: Callable[[], None]) -> None:
+    """At the end of a measured test loop, inside pytest-cov's wrapper (before it combines and
+    reports): `close` the zygote and the ranks, then add their coverage to this process's."""
+    if targeted():
+        close()
+        combine_into_driver()
 
 
 def combine_into_driver() -> None:

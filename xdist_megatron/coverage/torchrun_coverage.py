@@ -20,12 +20,16 @@ from typing import Any
 
 import pytest
 
-from ..protocol import under_torchrun
+from ..roles import Role, started_as
 from . import rank_coverage
 
 DONE = ".done"
 WAIT_FOR_RANKS = 120.0  # seconds rank 0 waits for the others' data after its own test loop
 _POLL = 0.1
+
+
+def _on_torchrun_rank() -> bool:
+    return started_as() is Role.TORCHRUN_RANK
 
 
 def _rank() -> int:
@@ -47,7 +51,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
     """On a torchrun rank other than 0: pytest-cov off (its plugin not even registered: a
     disabled one fails `no_cover` tests), this rank measured with its settings instead."""
     options = early_config.known_args_namespace
-    if under_torchrun() and _rank() != 0 and _measuring(options):
+    if _on_torchrun_rank() and _rank() != 0 and _measuring(options):
         from coverage import Coverage
 
         options.no_cov = True
@@ -60,12 +64,12 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if under_torchrun():
+    if _on_torchrun_rank():
         rank_coverage.follow_tests(config)
 
 
 def pytest_runtest_logfinish() -> None:
-    if under_torchrun():
+    if _on_torchrun_rank():
         rank_coverage.publish()  # a rank that dies later keeps this test's lines
 
 
@@ -75,9 +79,9 @@ def pytest_runtestloop(session: pytest.Session) -> Generator[None, None, Any]:
     try:
         return (yield)
     finally:
-        if under_torchrun() and _rank() != 0:
+        if _on_torchrun_rank() and _rank() != 0:
             _hand_over()
-        elif under_torchrun():
+        elif _on_torchrun_rank():
             _gather(session.config)
 
 

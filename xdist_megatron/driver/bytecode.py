@@ -21,14 +21,14 @@ import tempfile
 import pytest
 
 from .. import pycache
-from ..protocol import session_owner
+from ..roles import started_as
 
 
 def share(config: pytest.Config) -> None:
     """Where bytecode writing is off in a driver, turn it on into a session folder, until the
     session ends. Ranks and xdist workers get the driver's settings from their zygote."""
     collect_only = config.known_args_namespace.collectonly
-    if not sys.dont_write_bytecode or collect_only or not session_owner():
+    if not sys.dont_write_bytecode or collect_only or not started_as().owns_session:
         return
     folder = tempfile.mkdtemp(prefix="xdist-megatron-pyc-")
     before = sys.pycache_prefix

@@ -1,18 +1,34 @@
-"""The driver's part of collection: check the markers (a mistake is a collection error naming the
-test, before any gang starts), make one item per world size, and give each item its world size,
-its layout, or the skip that says why it cannot run here."""
+"""Collection in a driver and on a rank (plugin.py calls it with the role's runtime): check the
+markers (a mistake is a collection error naming the test, before any gang starts), make one item
+per world size, and give each item its world size, its layout, or the skip that says why it
+cannot run here."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import pytest
 
 from .. import layouts, markers
 from ..ci import selection
-from ..protocol import HARNESS, ITEMS, LAYOUT, WORLD_SIZE, on_gang_rank
-from .runtime import Runtime
+from ..protocol import HARNESS, ITEMS, LAYOUT, WORLD_SIZE
+from ..roles import Role, role_of
 
 
-def parametrize(metafunc: pytest.Metafunc, runtime: Runtime) -> None:
+class Sizing(Protocol):
+    """What collection asks of the role's runtime (a driver's, or a rank's)."""
+
+    default_world_size: int | None
+
+    @property
+    def device_count(self) -> int: ...
+
+    def unfit(self, world_size: int) -> str | None: ...
+
+    def assigned(self, items: list[pytest.Item]) -> None: ...
+
+
+def parametrize(metafunc: pytest.Metafunc, runtime: Sizing) -> None:
     """One item per world size of the test's marker (or the run's default world size)."""
     definition = metafunc.definition
     size_marker = definition.get_closest_marker(markers.MARKER)
@@ -40,9 +56,9 @@ def parametrize(metafunc: pytest.Metafunc, runtime: Runtime) -> None:
         raise pytest.Collector.CollectError(str(exc)) from None
 
 
-def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) -> None:
-    """Stash each item's world size and layout, skip what cannot run here, select this CI job's
-    tests, and under xdist tell the controller what it needs to schedule them."""
+def assign(config: pytest.Config, items: list[pytest.Item], runtime: Sizing) -> None:
+    """Stash each item's world size and layout, skip what cannot run here and select this CI
+    job's tests (on a gang's rank its driver chose them: the rank collected one module)."""
     config.stash[ITEMS] = items
     for item in items:
         if HARNESS in item.stash:  # its harness gave it its world size
@@ -56,20 +72,9 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
         layout_marker = item.get_closest_marker(layouts.MARKER)
         if layout_marker is not None:
             item.stash[LAYOUT] = layouts.layout_of(layout_marker, item.nodeid)
-        if not on_gang_rank():  # on a rank, its driver chose what runs there
-            _skip_if_unfit(item, world_size, runtime)
-    if not on_gang_rank():  # its driver chose the test; the rank collected one module
-        selection.select(config, items)
-    if runtime.xdist:
-        runtime.publish_items(items)
-
-
-def _skip_if_unfit(item: pytest.Item, world_size: int, runtime: Runtime) -> None:
-    if runtime.inprocess is not None:
-        if world_size != runtime.inprocess.world_size:
-            started = runtime.inprocess.world_size
-            reason = f"needs world size {world_size}, torchrun started {started}"
+        reason = runtime.unfit(world_size)
+        if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
-    elif world_size > runtime.devices.count:
-        reason = f"needs {world_size} devices, {runtime.devices.count} available"
-        item.add_marker(pytest.mark.skip(reason=reason))
+    if role_of(config) is not Role.GANG_RANK:
+        selection.select(config, items)
+    runtime.assigned(items)

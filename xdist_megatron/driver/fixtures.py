@@ -12,6 +12,8 @@ import pytest
 
 from .. import markers
 from ..protocol import FAILED, WORLD_SIZE, CleanupJob, RankInfo, module_of
+from ..ranks.inprocess import IN_PROCESS
+from ..roles import role_of
 from .gang import Gang, GangError
 from .runtime import RUNTIME, Runtime
 from .timeouts import default_timeout, timeout_of
@@ -21,7 +23,7 @@ from .zygote_client import ZygoteError
 def _rank_info(request: pytest.FixtureRequest) -> RankInfo | None:
     """This process's rank on a gang or under torchrun; None in a driver (which is rank 0 of a
     world of 1)."""
-    if request.config.stash[RUNTIME].inprocess is None:
+    if not role_of(request.config).is_rank:
         return None
     from ..ranks.rank import rank_info
 
@@ -67,13 +69,17 @@ class GangHandle:
     def __init__(self, item: pytest.Item, world_size: int) -> None:
         self._item = item
         self.world_size = world_size
-        self._runtime: Runtime = item.config.stash[RUNTIME]
+        self._here = item.config.stash.get(IN_PROCESS, None)  # on a rank: the test runs here
         self._gang: Gang | None = None
+
+    @property
+    def _runtime(self) -> Runtime:
+        return self._item.config.stash[RUNTIME]
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """`fn(*args, **kwargs)` on every rank; the per-rank return values in rank order."""
-        if self._runtime.inprocess is not None:
-            return self._runtime.inprocess.run(fn, *args, **kwargs)
+        if self._here is not None:
+            return self._here.run(fn, *args, **kwargs)
         with self._devices_held():
             self._gang = self._acquire()
             return self._gang.run(fn, *args, **kwargs)
@@ -97,7 +103,7 @@ class GangHandle:
         zygote's imports, the gang's start and a module boundary's reset, which in the call
         counted against a timeout of the call alone (pytest-timeout's `timeout_func_only`). A
         gang that cannot start fails the setup with why, without the plugin's frames."""
-        if self._runtime.inprocess is not None:
+        if self._here is not None:
             return
         try:
             self._runtime.pool.prepare(self.world_size)

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from ..ci import early_cache
-from ..protocol import DIST_MODE, session_owner
+from ..protocol import DIST_MODE
+from ..roles import started_as
 from . import bytecode
 from .preload import Preloadable, gpus_likely, preloadable_of, with_base
 
@@ -57,7 +58,7 @@ def follow_imports(config: pytest.Config) -> ImportFollower | None:
     """A follower for the serial driver, or the xdist controller's shared zygote; none in ranks,
     xdist workers (they join the controller's), other xdist modes and --collect-only."""
     known = config.known_args_namespace
-    if not session_owner():
+    if not started_as().owns_session:
         return None
     controller = bool(getattr(known, "numprocesses", None) or getattr(known, "tx", None))
     if known.collectonly or (controller and getattr(known, "dist", None) != DIST_MODE):
@@ -167,3 +168,31 @@ def _is_namespace(module: object) -> bool:
 
 
 FOLLOWER = pytest.StashKey[ImportFollower]()
+
+
+def early_zygote(config: pytest.Config, is_cuda: bool, notes: list[str]) -> ZygoteClient | None:
+    """Stop the import follower (once) and take the zygote it started, if it can serve devices
+    of this kind (one not started for CUDA is closed); a failure to follow becomes a note."""
+    zygote = finish_following(config, notes)
+    if zygote is not None and is_cuda and not zygote.cuda:
+        zygote.close()  # it did not guard its preloads for CUDA: forks could not use GPUs
+        return None
+    return zygote
+
+
+def finish_following(config: pytest.Config, notes: list[str]) -> ZygoteClient | None:
+    """Stop the import follower, if one runs, and hand over the zygote it started."""
+    follower = config.stash.get(FOLLOWER, None)
+    if follower is None:
+        return None
+    zygote = follower.finish()
+    del config.stash[FOLLOWER]  # only now: a second Ctrl-C in the join must not lose the zygote
+    if follower.error is not None:
+        notes.append(f"following the imports to start the zygote early: {follower.error}")
+    return zygote
+
+
+def followed_session_dir(config: pytest.Config) -> str | None:
+    """The session folder the import follower made (it holds the early zygote's log)."""
+    follower = config.stash.get(FOLLOWER, None)
+    return follower.session_dir if follower is not None else None

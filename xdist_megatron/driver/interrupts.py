@@ -1,7 +1,7 @@
 """Ctrl-C in a driver (the serial pytest process, an xdist controller or worker) ends the run as
 pytest ends an interrupted one, wherever it lands: its KeyboardInterrupt summary, naming the line
-where the SIGINT landed, exit code 2, and the zygote and ranks killed at once
-(`Runtime.close(at_once=True)`), before pytest spends a second formatting the traceback.
+where the SIGINT landed, exit code 2, and the zygote and ranks killed at once (the role's
+runtime's `CLOSE_NOW`), before pytest spends a second formatting the traceback.
 
 Two things lost it in the first seconds, while the conftest files import the suite's libraries
 (and the import follower starts the zygote beside them):
@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from ..protocol import PACKAGE_DIR, on_gang_rank, under_torchrun
+from ..protocol import CLOSE_NOW, PACKAGE_DIR
+from ..roles import started_as
 from .runtime import RUNTIME
 
 if TYPE_CHECKING:
@@ -133,9 +134,9 @@ class Latch:
         self.interrupted = False
         self.held = None
         self.landing = None
-        runtime = self.config.stash.get(RUNTIME, None)
-        if runtime is not None:
-            runtime.close(at_once=True)
+        close_now = self.config.stash.get(CLOSE_NOW, None)
+        if close_now is not None:
+            close_now()
         gc.freeze()
 
     @pytest.hookimpl(trylast=True)
@@ -185,7 +186,7 @@ def _at(interrupt: KeyboardInterrupt, path: str, line: int) -> KeyboardInterrupt
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None, None, None]:
     """Around everything that imports the conftest files (and starts the import follower)."""
-    if on_gang_rank() or under_torchrun():
+    if started_as().is_rank:
         return (yield)
     latch = Latch(early_config)
     early_config.pluginmanager.register(latch, PLUGIN_NAME)

@@ -163,6 +163,18 @@ def preloadable_of(config: pytest.Config) -> Preloadable:
     return config.stash[PRELOADABLE]
 
 
+def withheld_notes(config: pytest.Config) -> list[str]:
+    """The terminal summary's word on the modules not preloaded because an earlier session
+    found they initialise CUDA."""
+    withheld = sorted(preloadable_of(config).withheld)
+    if not withheld:
+        return []
+    return [
+        f"not preloaded, as earlier sessions found they initialise CUDA at import (pytest "
+        f"cache: {CUDA_AT_IMPORT_KEY}): {', '.join(withheld)}"
+    ]
+
+
 def for_session(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """megatron_preload, or the library modules the collected test modules imported (what
     the import follower sent besides is not asked again)."""

@@ -1,7 +1,7 @@
-"""The driver's composition root: one per pytest process (serial driver, xdist worker or
-controller, rank session), holding its devices, its gang pool and zygote, its folders and what it
-will say in the terminal summary. Built once the run is known to use the plugin (plugin.py),
-found through `RUNTIME`.
+"""The driver's composition root: one per driver (the serial pytest process or an xdist
+worker), holding its devices, its gang pool and zygote, its folders and what it will say in the
+terminal summary. Built once the run is known to use the plugin (plugin.py), found through
+`RUNTIME`. The controller's is controller/runtime.py, a rank's ranks/inprocess.py.
 
 Light to import, as pytest loads the plugin in every run and the Ctrl-C latch (interrupts.py)
 looks its Runtime up in every driver: the pool, the gangs, the zygote's client and the ranks'
@@ -11,7 +11,6 @@ side load when a Runtime first needs them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import shutil
@@ -23,28 +22,23 @@ from typing import TYPE_CHECKING
 import pytest
 
 from .. import markers, placement, sidechannel
+from ..devices import gangs_per_device, run_devices
 from ..placement import DeviceSet
 from ..protocol import (
-    DEVICE_COUNT_VAR,
+    CLOSE_NOW,
     HARNESS,
     INPUT_KEY,
     ITEMS,
     WHOLE_CLASS,
     WORLD_SIZE,
-    RankEnd,
     SessionArgs,
     module_of,
-    on_gang_rank,
-    under_torchrun,
 )
-from . import preload
-from .import_follower import FOLLOWER
+from . import import_follower, preload
 from .locks import DeviceLocks
 
 if TYPE_CHECKING:
-    from ..ranks.inprocess import InProcessRank
     from .pool import GangPool
-    from .zygote_client import ZygoteClient
 
 # pytest-cov off in a rank's session, its disabled plugin unregistered (it would fail no_cover).
 NO_COV = ("--no-cov", "-p", "no:_cov")
@@ -55,22 +49,11 @@ class Runtime:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        # In a rank process (ours, or torchrun's) tests run right here.
-        self.inprocess: InProcessRank | None = None
-        if on_gang_rank() or under_torchrun():
-            from ..ranks.inprocess import InProcessRank
-            from ..ranks.rank import finish_line
-
-            self.inprocess = InProcessRank(config, finish_line if on_gang_rank() else None)
-        self.default_world_size = markers.default_world_size(
-            config.getoption("megatron_world_size") or config.getini("megatron_world_size")
-        )
+        self.default_world_size = markers.default_world_size(config)
         self.xdist: dict | None = getattr(config, "workerinput", {}).get(INPUT_KEY)
         self.worker = self.xdist["worker"] if self.xdist else 0
-        self._follower = config.stash.get(FOLLOWER, None)
         self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
-        if self._follower is not None:
-            self._session_dir = self._follower.session_dir
+        self._session_dir = import_follower.followed_session_dir(config) or self._session_dir
         from .pool import MODULE_SCOPE, SESSION_SCOPE
 
         scope = config.getini("megatron_gang_scope")
@@ -79,35 +62,29 @@ class Runtime:
         self.scope = scope
         self._devices: DeviceSet | None = None
         self._pool: GangPool | None = None
-        self._host_zygote: ZygoteClient | None = None
         self._session_args: SessionArgs | None = None
         self._next_on_gang: dict[str, str | None] | None = None
         self._notes: list[str] = []  # what the closed pools and the follower said
+        config.stash[CLOSE_NOW] = functools.partial(self.close, at_once=True)
 
     @property
     def devices(self) -> DeviceSet:
         if self._devices is None and self.xdist:
             self._devices = placement.from_dict(self.xdist["devices"])
         if self._devices is None:
-            from ..devices import detect_devices
-
-            try:
-                detected = detect_devices(self.config.getoption("megatron_devices"))
-            except ValueError as exc:
-                raise pytest.UsageError(str(exc)) from None
-            self._devices = dataclasses.replace(
-                detected, gangs_per_device=gangs_per_device(self.config)
-            )
+            self._devices = run_devices(self.config)
         return self._devices
 
     @property
     def device_count(self) -> int:
-        """The devices "all" means: the driver's, also on its ranks; torchrun's world."""
-        if on_gang_rank():
-            return int(os.environ[DEVICE_COUNT_VAR])
-        if self.inprocess is not None:
-            return self.inprocess.world_size
+        """The devices "all" means: the driver's (its ranks are told the same count)."""
         return self.devices.count
+
+    def unfit(self, world_size: int) -> str | None:
+        """Why a test of this size cannot run here."""
+        if world_size <= self.devices.count:
+            return None
+        return f"needs {world_size} devices, {self.devices.count} available"
 
     def runs_on_ranks(self, item: pytest.Item) -> bool:
         """A test this driver sends to a gang: it has a world size that fits the devices, and
@@ -116,7 +93,6 @@ class Runtime:
         world_size = item.stash.get(WORLD_SIZE, None)
         return (
             world_size is not None
-            and self.inprocess is None
             and isinstance(item, pytest.Function)
             and "gang" not in item.fixturenames
             and HARNESS not in item.stash
@@ -226,49 +202,6 @@ class Runtime:
         slots = self.devices.count * gangs_per_device(self.config)
         return max(1, min(self.config.workerinput["workercount"], slots))
 
-    def host_zygote(self) -> str:
-        """In the xdist controller: the address of the zygote every worker shares, started on
-        first use with the configured preloads (each worker adds the ones it detected), unless
-        it started while the controller imported the suite's conftest files."""
-        if self._host_zygote is None:
-            self._host_zygote = self.early_zygote()
-        if self._host_zygote is None:
-            from . import zygote_client
-
-            quiet = self.config.getoption("capture") != "no"
-            self._host_zygote = zygote_client.spawn(
-                preload.known_early(self.config) or list(preload.ALWAYS_PRELOAD),
-                self.host_zygote_log if quiet else None,
-                zygote_client.shared_address(),
-                self.devices.is_cuda,
-            )
-        return self._host_zygote.address
-
-    def ranks_left_with(self, worker: str, timeout: float) -> list[RankEnd] | None:
-        """In the xdist controller: how the shared zygote ended the ranks of a crashed worker."""
-        if self._host_zygote is None:
-            return None
-        return self._host_zygote.ranks_left_with(worker, timeout)
-
-    def early_zygote(self) -> ZygoteClient | None:
-        """The zygote the import follower started, if it can serve this session's devices."""
-        zygote = self._finish_following()
-        if zygote is not None and self.devices.is_cuda and not zygote.cuda:
-            zygote.close()  # it did not guard its preloads for CUDA: forks could not use GPUs
-            return None
-        return zygote
-
-    def _finish_following(self) -> ZygoteClient | None:
-        """Stop the import follower (once) and take the zygote it started, if any."""
-        follower = self._follower
-        if follower is None:
-            return None
-        zygote = follower.finish()
-        self._follower = None  # only now: a second Ctrl-C in the join must not lose the zygote
-        if follower.error is not None:
-            self._notes.append(f"following the imports to start the zygote early: {follower.error}")
-        return zygote
-
     def home_device_held(self) -> contextlib.AbstractContextManager:
         """Under xdist, an unmarked test holds its worker's home device like a gang would."""
         if not self.xdist:
@@ -299,13 +232,13 @@ class Runtime:
         """Before collection: have the zygote import what is known already (configured, or
         remembered from the last session), so its imports overlap with the collection's."""
         config = self.config
-        controller = not hasattr(config, "workerinput") and config.getoption("tx", None)
-        if controller or config.option.collectonly or self.inprocess is not None:
+        if config.option.collectonly:
             return
-        if self._follower is not None:
+        follower = config.stash.get(import_follower.FOLLOWER, None)
+        if follower is not None:
             remembered = preload.remembered(config)
             if remembered:
-                self._follower.want(remembered)
+                follower.want(remembered)
             return
         modules = preload.known_early(config)
         if modules is not None:
@@ -314,9 +247,9 @@ class Runtime:
     def collection_done(self, items: list[pytest.Item]) -> None:
         """Start the zygote as soon as a test will need gangs (its imports take seconds), or
         stop the one started early when none will."""
-        if self.config.option.collectonly or self.inprocess is not None:
+        if self.config.option.collectonly:
             return
-        early = self.early_zygote()
+        early = import_follower.early_zygote(self.config, self.devices.is_cuda, self._notes)
         if any(WORLD_SIZE in item.stash for item in items):
             if early is not None:
                 self.pool.zygote.adopt(early, self.host_zygote_log)
@@ -329,9 +262,11 @@ class Runtime:
         if self._pool is not None:
             self._pool.zygote.stop()
 
-    def publish_items(self, items: list[pytest.Item]) -> None:
-        """Tell the controller each item's module, world size and class (xdist sends ids
-        only)."""
+    def assigned(self, items: list[pytest.Item]) -> None:
+        """Under xdist, tell the controller each item's module, world size and class (xdist
+        sends ids only)."""
+        if not self.xdist:
+            return
         infos = {
             item.nodeid: sidechannel.ItemInfo(
                 module_of(item.nodeid),
@@ -348,19 +283,13 @@ class Runtime:
     def notes(self) -> list[str]:
         """What the terminal summary says: the follower's and the pools' notes, and which
         modules were not preloaded because an earlier session found they initialise CUDA."""
-        notes = list(self._notes)
-        withheld = sorted(preload.preloadable_of(self.config).withheld)
-        if withheld:
-            notes.append(
-                f"not preloaded, as earlier sessions found they initialise CUDA at import (pytest "
-                f"cache: {preload.CUDA_AT_IMPORT_KEY}): {', '.join(withheld)}"
-            )
+        notes = [*self._notes, *preload.withheld_notes(self.config)]
         return notes + (self._pool.all_notes if self._pool is not None else [])
 
     def close(self, at_once: bool = False) -> None:
         """End the gangs and the zygotes; `at_once` (Ctrl-C): kill them rather than wait for
         a zygote that may be busy importing (no rank or zygote is left a second later)."""
-        early = self._finish_following()
+        early = import_follower.finish_following(self.config, self._notes)
         if early is not None:
             early.close(at_once)
         if self._pool is not None:
@@ -368,28 +297,9 @@ class Runtime:
             preload.remember_cuda_initialisers(self.config, self._pool.zygote.cuda_initialisers)
             self._pool.close(at_once)
             self._pool = None
-        if self._host_zygote is not None:
-            self._host_zygote.close(at_once)
-            self._host_zygote = None
         if not self.xdist and self._session_dir is not None:  # workers use the controller's
             shutil.rmtree(self._session_dir, ignore_errors=True)
             self._session_dir = None
 
 
 RUNTIME = pytest.StashKey[Runtime]()
-
-
-def gangs_per_device(config: pytest.Config) -> int:
-    """--megatron-gangs-per-device, else ini megatron_gangs_per_device: a positive int."""
-    value = config.getoption("megatron_gangs_per_device", None)
-    text = str(value) if value is not None else config.getini("megatron_gangs_per_device")
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise pytest.UsageError(
-            f"--megatron-gangs-per-device / megatron_gangs_per_device must be a positive int, "
-            f"got {text!r}"
-        )
-    return count

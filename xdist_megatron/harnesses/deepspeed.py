@@ -100,7 +100,7 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
     owned = [item for item in items if owns(getattr(item, "cls", None))]
     for item in owned:
         item.stash[HARNESS] = NAME
-    if not owned or mode(config) != "auto" or runtime.inprocess is not None:
+    if not owned or mode(config) != "auto":
         return
     adapter = _installed(config, runtime, {_base(item.cls) for item in owned})
     for item in owned:

@@ -81,7 +81,7 @@ def assign(config: pytest.Config, items: list[pytest.Item], runtime: Runtime) ->
     """Give each of the harness's tests the world size it spawns (its `world_size`, read from a
     test case as its parent would make it), where that fits the run's devices; install the
     adapter once in this driver. A test that does not fit spawns as before."""
-    if runtime.inprocess is not None or mode(config) == "off":
+    if mode(config) == "off":
         return
     families = {item: family(item) for item in items}
     if not any(families.values()):

@@ -19,17 +19,20 @@ import pluggy
 import pytest
 from _pytest._code import Traceback
 
-from ..protocol import LAYOUT, PACKAGE_DIR, WORLD_SIZE, RankInfo, module_of, under_torchrun
+from .. import markers
+from ..protocol import DEVICE_COUNT_VAR, LAYOUT, PACKAGE_DIR, WORLD_SIZE, RankInfo, module_of
+from ..roles import Role, started_as
 from . import agreement, megatron_layout
 from .holdings import ScopeHoldings
 
 PLUGIN_NAME = "xdist-megatron-rank"
+IN_PROCESS = pytest.StashKey["InProcessRank"]()  # on a rank's config
 _PLUGGY_DIR = os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep
 
 
 def torchrun_rank_info() -> RankInfo | None:
     """This torchrun rank's RankInfo, or None outside torchrun."""
-    if not under_torchrun():
+    if started_as() is not Role.TORCHRUN_RANK:
         return None
     import torch
 
@@ -38,11 +41,21 @@ def torchrun_rank_info() -> RankInfo | None:
     return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device)
 
 
+def configure(config: pytest.Config, finish_line: Callable[[bool], bool] | None) -> InProcessRank:
+    """The plugin state of a rank process, registered as its plugin: a gang's meets its peers
+    at `finish_line` after each test; torchrun's has none."""
+    rank = config.stash[IN_PROCESS] = InProcessRank(config, finish_line)
+    config.pluginmanager.register(rank, PLUGIN_NAME)
+    return rank
+
+
 class InProcessRank:
-    """pytest plugin of a rank process: set up before each of its tests, clean after."""
+    """pytest plugin of a rank process: set up before each of its tests, clean after. The rank
+    role's runtime: what its collection and fixtures ask of the process."""
 
     def __init__(self, config: pytest.Config, finish_line: Callable[[bool], bool] | None) -> None:
         self.world_size = int(os.environ["WORLD_SIZE"])
+        self.default_world_size = markers.default_world_size(config)
         self.holdings = ScopeHoldings(self._rebase)
         config.pluginmanager.register(self.holdings, "xdist-megatron-holdings")
         # On a gang: a barrier through the driver's store that every rank passes once its test
@@ -61,6 +74,31 @@ class InProcessRank:
     @property
     def on_gang(self) -> bool:
         return self._finish_line is not None
+
+    @property
+    def device_count(self) -> int:
+        """The devices "all" means: on a gang its driver's (so every rank resolves it alike),
+        under torchrun its world."""
+        return int(os.environ[DEVICE_COUNT_VAR]) if self.on_gang else self.world_size
+
+    def unfit(self, world_size: int) -> str | None:
+        """Why a test of this size cannot run here: under torchrun, another world size (on a
+        gang its driver chose the test)."""
+        if self.on_gang or world_size == self.world_size:
+            return None
+        return f"needs world size {world_size}, torchrun started {self.world_size}"
+
+    def assigned(self, items: list[pytest.Item]) -> None:
+        """Nothing to tell: a rank's driver schedules its tests."""
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_set_timer(self) -> bool | None:
+        """pytest-timeout: no timer on a gang's rank (its driver's covers every rank)."""
+        return True if self.on_gang else None
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_cancel_timer(self) -> bool | None:
+        return True if self.on_gang else None
 
     def applies(self, item: pytest.Item) -> bool:
         """Every test a gang sends runs here; under torchrun, the tests with a world size."""
