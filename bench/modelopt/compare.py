@@ -1,14 +1,27 @@
-"""Run Model-Optimizer's tests/gpu_megatron (assembled by assemble.sh) several ways and compare
+"""Run a lane of Model-Optimizer's GPU tests (assembled by assemble.sh) several ways and compare
 what each way reports, test by test, from junit; the run machinery is bench/real_suite.py's.
 
-Modes (`--modes own,serial,xdist-k4`, in that order):
-  own       `pytest TESTDIR -p no:xdist_megatron.plugin`: upstream's conftest and its
-            DistributedWorkerPools (one per module and world size, spawned, torch + megatron +
-            modelopt imported in every worker); each pool start is logged by the glue
-  serial    `pytest TESTDIR -p xdist_megatron.plugin`: the glue serves the pool fixtures from
-            the plugin's gangs (examples/pool_adapter), one test at a time
+Lanes (`--lane`, default gpu_megatron; TESTDIR is tests/LANE unless `--testdir` names paths):
+  gpu_megatron  the whole of tests/gpu_megatron
+  gpu           assemble.sh's selection of tests/gpu: its files that use spawn_multiprocess_job,
+                DistributedWorkerPool or the dist_workers fixtures (OUT/gpu_lane.txt)
+
+Modes (`--modes own,serial,xdist-k4`, in that order); upstream's conftest files run unchanged in
+every mode, nothing replaces their fixtures:
+  own       `pytest TESTDIR -p no:xdist_megatron.plugin`: upstream's DistributedWorkerPools
+            (spawned, torch + megatron + modelopt imported in every worker: in tests/gpu_megatron
+            one per module and world size, in tests/gpu one per session) and
+            spawn_multiprocess_job's processes
+  serial    `pytest TESTDIR -p xdist_megatron.plugin`: the plugin's Model-Optimizer harness
+            replaces DistributedWorkerPool and spawn_multiprocess_job where the suite holds them,
+            and their work runs on the plugin's gangs, one test at a time
   xdist     the same with `-n auto --dist megatron`
   xdist-kK  the same with `--megatron-gangs-per-device K` (-n auto: devices x K workers)
+
+The suite's root conftest (ours) logs to STORE/RUN-pools.jsonl each DistributedWorkerPool that
+spawns processes (`spawned`), each construction of the plugin's replacement (`served`) and, after
+collection, which class each module holds (`holders`): the report counts spawned pools, served
+pools, and warns where a plugin run left a module holding upstream's class.
 
 Each mode's junit, log, pool-start log and (plugin modes) run report go to STORE, with the run
 as STORE/NAME.run.json, so a later call (the device's 10-minute limit) adds modes to the same
@@ -45,6 +58,7 @@ from real_suite import Run, TestResult  # noqa: E402
 
 PLUGIN = real_suite.PLUGIN  # "xdist_megatron.plugin"
 MODES = re.compile(r"own|serial|xdist(-k[1-9][0-9]*)?")
+LANES = ("gpu_megatron", "gpu")
 # A module that cannot import must not end the run; stream_reports (the suite's root) keeps the
 # outcomes of a run killed at its cap.
 COMMON = ["--continue-on-collection-errors", "-p", "stream_reports"]
@@ -56,9 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--suite", required=True, help="the assembled folder (runs start there)")
     parser.add_argument("--store", required=True, help="junit, logs and runs of every call")
     parser.add_argument(
+        "--lane", default="gpu_megatron", choices=LANES, help="which lane: tests/LANE"
+    )
+    parser.add_argument(
         "--testdir",
-        default="tests/gpu_megatron",
-        help="what pytest is given (paths relative to --suite, space-separated)",
+        help="what pytest is given (paths relative to --suite, space-separated; tests/LANE)",
     )
     parser.add_argument("--part", help="K/N: only the K-th of N equal chunks of the collected ids")
     parser.add_argument("--modes", default="", help="comma-separated: own, serial, xdist-kK")
@@ -74,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true", help="print STORE's report")
     parser.add_argument("--max-diff", type=int, default=1000, help="rows of the differences table")
     args = parser.parse_args(argv)
+    args.testdir = args.testdir or f"tests/{args.lane}"
     args.modes = [mode for mode in args.modes.split(",") if mode]
     bad = [mode for mode in args.modes if not MODES.fullmatch(mode)]
     if bad:
@@ -102,7 +119,8 @@ def collect(suite: Path, targets: list[str], pytest_args: list[str]) -> dict:
     progress(f"collected {len(ids)} tests in {time.monotonic() - started:.1f} s")
     if not ids:  # a part of nothing would run the whole suite
         raise SystemExit(f"collection found no tests:\n{tail(text, 20)}")
-    return {"ids": [real_suite.junit_key(nodeid) for nodeid in ids], "nodeids": ids,
+    return {"testdir": " ".join(targets),
+            "ids": [real_suite.junit_key(nodeid) for nodeid in ids], "nodeids": ids,
             "per_module": dict(sorted(per_module.items())), "errors": reasons,
             "module_skips": skipped}  # fmt: skip
 
@@ -231,16 +249,38 @@ def combine(runs: list[tuple[Run, str, str | None]]) -> list[tuple[Run, list[Run
     return combined
 
 
-def pool_starts(store: Path, names: list[str]) -> tuple[int, float, dict[int, int]]:
-    """Upstream's DistributedWorkerPool starts in runs: count, seconds, count per world size."""
+def pool_log(store: Path, names: list[str], kind: str) -> list[dict]:
+    """The lines of `kind` of runs' pool logs (a line without a kind: `spawned`, older logs)."""
     lines = []
     for name in names:
         path = store / f"{name}-pools.jsonl"
-        lines += (
-            [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        )
+        for text in path.read_text().splitlines() if path.exists() else []:
+            line = json.loads(text)
+            if line.get("kind", "spawned") == kind:
+                lines.append(line)
+    return lines
+
+
+def pool_starts(store: Path, names: list[str]) -> tuple[int, float, dict[int, int]]:
+    """Upstream's DistributedWorkerPool starts in runs: count, seconds, count per world size."""
+    lines = pool_log(store, names, "spawned")
     per_size = collections.Counter(line["world_size"] for line in lines)
     return len(lines), sum(line["seconds"] for line in lines), dict(sorted(per_size.items()))
+
+
+def upstream_holders(store: Path, run: Run, mode: str) -> list[str]:
+    """In a plugin run: modules that still held upstream's DistributedWorkerPool or
+    spawn_multiprocess_job after collection, and teardowns that did not pickle."""
+    if mode == "own":
+        return []
+    found = set()
+    for line in pool_log(store, [run.name], "holders"):
+        for name, where in line["holders"].items():
+            found.update(f"{path} holds upstream's {name}" for path, what in where.items()
+                         if what == "upstream")  # fmt: skip
+        found.update(f"{path}: megatron_worker_teardown does not pickle ({why})"
+                     for path, why in line["teardowns"].items() if why != "pickles")  # fmt: skip
+    return sorted(found)
 
 
 def gang_starts(store: Path, names: list[str]) -> tuple[int | None, str]:
@@ -262,13 +302,16 @@ def starts_table(rows_of: list[tuple[str, list[str]]], store: Path) -> str:
     rows = []
     for title, names in rows_of:
         count, seconds, per_size = pool_starts(store, names)
+        served = len(pool_log(store, names, "served"))
         gangs, why = gang_starts(store, names)
         sizes = ", ".join(f"ws{ws}: {n}" for ws, n in per_size.items()) or "-"
-        rows.append([title, str(count), f"{seconds:.1f}", sizes,
+        rows.append([title, str(count), f"{seconds:.1f}", sizes, str(served),
                      "-" if gangs is None else str(gangs), why])  # fmt: skip
     return table(
-        ["run", "pool starts", "pool start s", "pools per size", "gang starts", "gangs"], rows
-    )
+        ["run", "pool starts", "pool start s", "pools per size", "pools on gangs", "gang starts",
+         "gangs"],
+        rows,
+    )  # fmt: skip
 
 
 def show_log_ends(runs: list[Run], store: Path) -> None:
@@ -297,6 +340,9 @@ def report(store: Path, max_diff: int) -> None:
     if any(run.phases for run in runs):
         print(f"\nwhere the plugin's wall time went\n{real_suite.phases_table(runs)}")
     print(f"\npool and gang starts\n{starts_table([(r.name, [r.name]) for r in runs], store)}")
+    for run, group, _ in loaded:
+        for line in upstream_holders(store, run, group.split("-")[0]):
+            print(f"WARNING {run.name}: {line} (the plugin's harness does not serve it)")
     show_log_ends(runs, store)
     combined = combine(loaded)
     merged = [run for run, members in combined if len(members) > 1 or run.name != members[0].name]
@@ -322,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             found = collect(suite, shlex.split(args.testdir), shlex.split(args.pytest_args))
             expected_path.write_text(json.dumps(found))
         expected = json.loads(expected_path.read_text())
+        if expected.get("testdir", args.testdir) != args.testdir:
+            raise SystemExit(f"{store} holds the runs of {expected['testdir']!r}, not of "
+                             f"{args.testdir!r}: give each lane a store of its own")  # fmt: skip
         for mode in args.modes:
             run_mode(mode, suite, store, expected, args)
     report(store, args.max_diff)

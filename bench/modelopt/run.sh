@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Model-Optimizer's tests/gpu_megatron (bench/out/modelopt, assembled by assemble.sh) on the GPU
+# A lane of Model-Optimizer's GPU tests (bench/out/modelopt, assembled by assemble.sh) on the GPU
 # machine, from the repository root, with the device tool's $OUT (what comes back):
 #
-#   bash bench/modelopt/run.sh NAME MODES [CAP_S [compare.py options...]]
+#   [LANE=gpu] bash bench/modelopt/run.sh NAME MODES [CAP_S [compare.py options...]]
 #
+# LANE (default gpu_megatron): tests/gpu_megatron, or `gpu`: assemble.sh's tests/gpu files (those
+# that use spawn_multiprocess_job, DistributedWorkerPool or dist_workers). Each lane has its own
+# STORE (/tmp/modelopt_runs, /tmp/modelopt_runs_gpu): its collection, runs and report.
 # MODES, comma-separated: `setup` and any of compare.py's modes (own, serial, xdist, xdist-kK);
 # e.g. `setup,own` in one call and `serial,xdist-k4` in the next (the machine stays warm for
 # 30 s after a call: make them back to back). MODES `prebuild` does steps 0, 1 and 3 only, which
@@ -14,19 +17,21 @@
 # it not done:
 #   0. bench/out/modelopt/site (modelopt's source) copied to /tmp/modelopt_src, where it stays;
 #   1. the wheels of bench/out/modelopt/wheels into /tmp/modelopt_site (not /tmp/site, where
-#      Transformer Engine is: both go on PYTHONPATH, /tmp/site first, so TE keeps its pydantic);
+#      Transformer Engine is: both go on PYTHONPATH, /tmp/site first, so TE keeps its pydantic),
+#      and those of wheels/gpu (deepspeed, hjson) into /tmp/modelopt_site_gpu, on PYTHONPATH
+#      only for LANE=gpu (accelerate imports deepspeed wherever it can);
 #   2. xdist-megatron from this checkout into /tmp/xm (every call: the checkout may have changed);
 #   3. modelopt's quant CUDA extensions (modelopt_cuda_ext, _fp8, _mx) JIT-built into
 #      TORCH_EXTENSIONS_DIR=/tmp/modelopt_torch_extensions, which every mode then only loads
 #      (upstream's autouse _prebuild_quant_cuda_extensions still runs in each mode: a cached load);
 #   4. one collection (plugin disabled): tests per module, modules that cannot import.
-# Runs and their files stay in /tmp/modelopt_runs, so each call's report covers the modes of the
-# earlier calls on this machine too. Each mode is capped at CAP_S (default 540) and, whatever
+# Runs and their files stay in STORE, so each call's report covers the modes of the earlier calls
+# of that lane on this machine too. Each mode is capped at CAP_S (default 540) and, whatever
 # CAP_S says, ends by BUDGET seconds after this script started (default 570: the tool's limit is
 # 600) so that the report and the files still come back. To $OUT: report-NAME.txt (the report),
 # setup-NAME.log, modelopt-NAME.tar.gz (every junit, log, run report, pool log of the store).
-# SUITE, SITE, TE_SITE, SRC, XM, STORE and TORCH_EXTENSIONS_DIR can be overridden (a CPU rehearsal
-# points them elsewhere).
+# SUITE, SITE, SITE_GPU, TE_SITE, SRC, XM, STORE and TORCH_EXTENSIONS_DIR can be overridden (a CPU
+# rehearsal points them elsewhere).
 set -uo pipefail
 T0=$(date +%s)
 NAME=$1 MODES=$2 CAP=${3:-540}
@@ -34,12 +39,16 @@ shift $(( $# < 3 ? $# : 3 ))
 REPO=$(pwd)
 SUITE=${SUITE:-$REPO/bench/out/modelopt}
 SITE=${SITE:-/tmp/modelopt_site} TE_SITE=${TE_SITE:-/tmp/site} SRC=${SRC:-/tmp/modelopt_src}
-XM=${XM:-/tmp/xm} STORE=${STORE:-/tmp/modelopt_runs}
+XM=${XM:-/tmp/xm} LANE=${LANE:-gpu_megatron}
+[[ $LANE == gpu_megatron ]] && RUNS=/tmp/modelopt_runs || RUNS=/tmp/modelopt_runs_$LANE
+STORE=${STORE:-$RUNS}
 DEADLINE=$(( T0 + ${BUDGET:-570} ))
 : "${OUT:?OUT must name the folder that comes back}"
-[[ -d $SUITE/tests/gpu_megatron ]] || { echo "no $SUITE: carry bench/out/modelopt"; exit 2; }
+[[ -d $SUITE/tests/$LANE ]] || { echo "no $SUITE/tests/$LANE: carry bench/out/modelopt"; exit 2; }
 
-export PYTHONPATH=$TE_SITE:$SITE:$XM:$SRC:$SUITE PYTHONUNBUFFERED=1
+SITE_GPU=${SITE_GPU:-${SITE}_gpu}
+[[ $LANE == gpu ]] && LANE_SITE=$SITE_GPU: || LANE_SITE=
+export PYTHONPATH=$TE_SITE:$SITE:$LANE_SITE$XM:$SRC:$SUITE PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/modelopt_torch_extensions}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network: fail at once
@@ -60,11 +69,14 @@ sources_and_wheels() {
         rm -rf "$SRC" && cp -a "$SUITE/site" "$SRC" && echo "$tree" >"$SRC/.tree" || return 1
         rm -f "$TORCH_EXTENSIONS_DIR/.built"
     fi
-    if [[ ! -f $SITE/.ready ]]; then
+    local site wheels
+    for site in "$SITE" "$SITE_GPU"; do
+        [[ $site == "$SITE" ]] && wheels=$SUITE/wheels || wheels=$SUITE/wheels/gpu
+        [[ -f $site/.ready ]] && continue
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --disable-pip-version-check --target "$SITE" "$SUITE"/wheels/*.whl || return 1
-        touch "$SITE/.ready"
-    fi
+            --disable-pip-version-check --target "$site" "$wheels"/*.whl || return 1
+        touch "$site/.ready"
+    done
 }
 
 hold_lock() { ! command -v flock >/dev/null || flock 9; }  # on fd 9
@@ -93,13 +105,14 @@ setup() {
     python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --upgrade \
         --disable-pip-version-check --target "$XM" "$REPO" || return 1
     [[ -f $TE_SITE/.te-ready ]] || echo "WARNING: no $TE_SITE/.te-ready: without Transformer" \
-        "Engine 14 of the 21 test modules cannot import (shared/te/README.md)"
+        "Engine 14 of tests/gpu_megatron's 21 test modules cannot import (shared/te/README.md)"
     (cd "$SUITE" && python3 - <<'EOF'
 """What the runs import, and from where; the plugin's entry point."""
 import importlib, importlib.metadata as md
 import torch
 for name in ["transformer_engine.pytorch", "megatron.core", "modelopt.torch", "pydantic", "pulp",
-             "omegaconf", "datasets", "transformers", "xdist", "xdist_megatron.plugin"]:
+             "omegaconf", "datasets", "transformers", "deepspeed", "hydra", "torchvision",
+             "modelopt.torch.puzzletron", "xdist", "xdist_megatron.plugin"]:
     try:
         module = importlib.import_module(name)
         print(f"{name:26} {getattr(module, '__file__', None)}")
@@ -118,7 +131,8 @@ print("torch", torch.__version__, "| GPUs", torch.cuda.device_count(),
 EOF
     ) || return 1
     build_extensions || return 1
-    python3 "$REPO/bench/modelopt/compare.py" --suite "$SUITE" --store "$STORE" --collect "$@" |
+    python3 "$REPO/bench/modelopt/compare.py" --suite "$SUITE" --store "$STORE" --lane "$LANE" \
+        --collect "$@" |
         sed -n '1,/tests collected/p'
 }
 
@@ -138,8 +152,8 @@ fi
 echo "== setup done after $(( $(date +%s) - T0 )) s"
 
 RUN_MODES=$(echo "$MODES" | tr ',' '\n' | grep -v '^setup$' | paste -sd, -)
-python3 "$REPO/bench/modelopt/compare.py" --suite "$SUITE" --store "$STORE" --modes "$RUN_MODES" \
-    --cap "$CAP" --deadline "$DEADLINE" "$@" 2>&1 | tee "$OUT/report-$NAME.txt"
+python3 "$REPO/bench/modelopt/compare.py" --suite "$SUITE" --store "$STORE" --lane "$LANE" \
+    --modes "$RUN_MODES" --cap "$CAP" --deadline "$DEADLINE" "$@" 2>&1 | tee "$OUT/report-$NAME.txt"
 cp "$SETUP_LOG" "$STORE/" 2>/dev/null
 tar -czf "$OUT/modelopt-$NAME.tar.gz" -C "$STORE" .
 echo "== $NAME done after $(( $(date +%s) - T0 )) s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
