@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -334,53 +333,6 @@ def test_native(rank):
     result.stdout.fnmatch_lines(
         ["*ERROR at setup of test_explicit*", "gang of 2 failed to start: rank * exited with *"]
     )
-
-
-POOL_ADAPTER = Path(__file__).parents[1] / "examples" / "pool_adapter"
-
-POOL_STYLE = """
-from functools import partial
-
-import torch
-import torch.distributed as dist
-
-
-def _sum_of_ranks(expected_size, rank, size):
-    assert size == expected_size
-    value = torch.tensor([float(rank)])
-    dist.all_reduce(value)
-    assert value.item() == size * (size - 1) / 2
-
-
-def _fails_on(bad_rank, rank, size):
-    assert rank != bad_rank, f"rank {rank} of {size} fails"
-
-
-def test_every_device(dist_workers):
-    dist_workers.run(partial(_sum_of_ranks, 4))
-
-
-def test_two_workers_twice(dist_workers_size_2):
-    dist_workers_size_2.run(partial(_sum_of_ranks, 2))
-    dist_workers_size_2.run(partial(_sum_of_ranks, 2))
-
-
-def test_a_worker_fails(dist_workers_size_2):
-    dist_workers_size_2.run(partial(_fails_on, 1))
-"""
-
-
-def test_the_pool_adapter_recipe_runs_pool_style_tests_on_gangs(pytester, run_pytest):
-    """examples/pool_adapter (conftest.py and gang_pool.py), copied beside tests written for
-    Model-Optimizer's worker pool: each test gets a gang of its pool's size ("all": every
-    device), `run` calls the function with (rank, world_size) on every rank, and a rank's
-    failure fails the test."""
-    pytester.makeconftest((POOL_ADAPTER / "conftest.py").read_text())
-    pytester.makepyfile(gang_pool=(POOL_ADAPTER / "gang_pool.py").read_text())
-    pytester.makepyfile(test_pool_style=POOL_STYLE)
-    result = run_pytest("--megatron-devices", "cpu:4", "-rf")
-    result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["*rank 1 of 2 fails*"])
 
 
 SPAWNING_FUNCTION = """
