@@ -123,7 +123,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "megatron_gang_scope",
         "session: one gang per world size for the session, reset at module boundaries; "
         "module: a fresh gang for every module",
-        default="session",  # driver/pool.py's SESSION_SCOPE, not imported where unused
+        default="session",  # driver/gang_slot.py's SESSION_SCOPE, not imported where unused
     )
 
 

@@ -1,4 +1,6 @@
-"""The driver's gangs for the session: one per world size, one zygote, module-boundary resets."""
+"""The driver's gangs for the session: which world sizes have one (each a `GangSlot`, which
+holds its gang's whole life), the devices each holds while it runs a job, and the zygote they
+fork from."""
 
 from __future__ import annotations
 
@@ -8,25 +10,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .. import placement
-from ..protocol import (
-    FAILED,
-    GangEvent,
-    Job,
-    RankResult,
-    ResetJob,
-    describe_exit,
-)
-from .gang import Gang, GangError, retire_cause
+from ..protocol import GangEvent, Job, RankResult
+from .gang import Gang, GangError
+from .gang_slot import SESSION_SCOPE, GangLog, GangSlot
 from .locks import DeviceLocks
-from .zygote_client import ForkRefused
 from .zygote_keeper import ZygoteKeeper
-
-RESET_TIMEOUT = 120.0
-SESSION_SCOPE, MODULE_SCOPE = "session", "module"
 
 
 class GangPool:
-    """Starts gangs on first use and keeps them for the session (or the module)."""
+    """A slot per world size, made on first use and kept for the session."""
 
     def __init__(
         self,
@@ -50,8 +42,7 @@ class GangPool:
         self.backend = backend
         self.scope = scope
         self.notes: list[str] = []  # things the terminal summary should say
-        self.events: list[GangEvent] = []  # gang starts and retirements, for the run report
-        self.gang_names: dict[int, str] = {}  # world size -> the current gang's name, "ws2#1"
+        self.log = GangLog()  # gang starts and retirements, for the run report
         self.last_hold: tuple[float, float] | None = None  # when the last job held its devices
         # Gangs holding each of the last job's devices as it ended (K > 1 only): what an out of
         # memory failure says.
@@ -59,8 +50,7 @@ class GangPool:
         # Bytes in use on each device of the last job's block as it ended, by every process
         # (empty: no rank had CUDA): the run report's peak GPU memory per device.
         self.last_gpu_used: tuple[int, ...] = ()
-        self._logged_retired: set[str] = set()
-        self._gangs: dict[int, Gang] = {}
+        self._slots: dict[int, GangSlot] = {}
         self._workdir = tempfile.mkdtemp(prefix="xdist-megatron-")
         self.zygote = ZygoteKeeper(
             devices,
@@ -72,6 +62,14 @@ class GangPool:
             host_zygote_log,
             name,
         )
+
+    @property
+    def events(self) -> list[GangEvent]:
+        return self.log.events
+
+    @property
+    def gang_names(self) -> dict[int, str]:
+        return self.log.names
 
     @property
     def all_notes(self) -> list[str]:
@@ -103,85 +101,52 @@ class GangPool:
         nodeid = getattr(job, "nodeid", None)
         with self.devices_held(world_size, exclusive):
             held_from = time.time()
-            gang = self.acquire(world_size, module, timeout, nodeid)
-            results = gang.execute(job, timeout)
+            results = self.acquire(world_size, module, timeout, nodeid).execute(job, timeout)
         self.last_hold = (held_from, time.time())
         used = [r.gpu_used for r in sorted(results, key=lambda r: r.rank)]
         self.last_gpu_used = tuple(used) if any(used) else ()
-        if not gang.alive:
-            self._log_retired(world_size, retire_cause(results))
+        self._slot(world_size).job_done(results)
         return results
 
     def prepare(self, world_size: int) -> None:
         """Wait for the zygote's imports, then start the gang of `world_size` if it has none, all
         before taking the devices from others (forking and joining create contexts only)."""
         self.zygote.live()
-        self._ensure_started(world_size)
-
-    def _ensure_started(self, world_size: int) -> None:
-        gang = self._gangs.get(world_size)
-        if gang is not None and not gang.alive:
-            self._log_retired(world_size, "a failure in a test")  # one the `gang` fixture ran
-        if gang is None or not gang.alive:
-            self._start(world_size)
-
-    def trim(self, keep: set[int]) -> None:
-        """Shut down gangs of sizes this worker will not run again: they hold device memory."""
-        for world_size in [s for s in self._gangs if s not in keep]:
-            gang = self._gangs.pop(world_size)
-            if gang.alive:
-                self._log_retired(world_size, "not needed again here")
-            gang.close()
+        self._slot(world_size).ready()
 
     def acquire(
         self, world_size: int, module: str, timeout: float, nodeid: str | None = None
     ) -> Gang:
         """A live gang of `world_size` ranks, reset to its start-up state if `module` (of the test
         `nodeid`, where known) is new to it."""
-        gang = self._gangs.get(world_size)
-        lost = gang.lost_ranks() if gang is not None and gang.alive else []
-        if lost:
-            rank = lost[0]
-            client = self.zygote.client
-            code = client.reported_exit(gang.pids[rank]) if client is not None else None
-            why = f"rank {rank} {describe_exit(code)} between tests"
-            self.notes.append(f"gang of {world_size}: {why}; replaced it")
-            gang.retire()
-            self._log_retired(world_size, "a rank died between tests")
-        if gang is not None and gang.alive and gang.last_module not in (None, module):
-            self._cross_module_boundary(gang, module, nodeid)  # a failed reset ends the gang
-        self._ensure_started(world_size)
-        gang = self._gangs[world_size]
-        gang.last_module = module
-        gang.timeout = timeout
-        return gang
+        return self._slot(world_size).for_test(module, timeout, nodeid)
 
-    def _cross_module_boundary(self, gang: Gang, module: str, nodeid: str | None) -> None:
-        """Reset `gang` for `module`, or end it (module scope, or a reset that failed: `execute`
-        retired it) for `_ensure_started` to replace."""
-        if self.scope == MODULE_SCOPE:
-            gang.close()
-            self._log_retired(gang.world_size, "module scope")
-            return
-        results = gang.execute(ResetJob(nodeid), RESET_TIMEOUT)
-        failed = [r for r in results if r.outcome == FAILED]
-        if failed:
-            self.notes.append(
-                f"gang of {gang.world_size}: reset before {module} failed on rank "
-                f"{failed[0].rank} ({failed[0].message}); replaced it with a fresh gang"
+    def trim(self, keep: set[int]) -> None:
+        """Shut down gangs of sizes this worker will not run again: they hold device memory."""
+        for world_size in [s for s in self._slots if s not in keep]:
+            self._slots.pop(world_size).retire("not needed again here")
+
+    def _slot(self, world_size: int) -> GangSlot:
+        slot = self._slots.get(world_size)
+        if slot is None:
+            slot = self._slots[world_size] = GangSlot(
+                world_size,
+                lambda: self._new_gang(world_size),
+                self.scope,
+                self.log,
+                self.notes,
+                self._reported_exit,
             )
-            self._log_retired(gang.world_size, "reset failed")
+        return slot
 
-    def _start(self, world_size: int) -> Gang:
-        try:
-            return self._start_once(world_size)
-        except ForkRefused:  # another worker's preload spoilt the shared zygote: live()
-            try:  # has a fresh one start without it
-                return self._start_once(world_size)
-            except ForkRefused as exc:
-                raise GangError(str(exc)) from None
+    def _reported_exit(self, pid: int) -> int | None:
+        """How a rank ended, as the zygote now serving this driver reported it."""
+        client = self.zygote.client
+        return client.reported_exit(pid) if client is not None else None
 
-    def _start_once(self, world_size: int) -> Gang:
+    def _new_gang(self, world_size: int) -> Gang:
+        """A gang of `world_size` started from the zygote (a refused fork propagates: the
+        slot tries once more, on the zygote the keeper has replaced)."""
         gang = Gang(
             world_size,
             self.devices,
@@ -191,30 +156,10 @@ class GangPool:
             workdir=self._workdir,
             gangs_at_once=self.gangs_at_once,
         )
-        self._gangs[world_size] = gang
         try:
-            gang.start()
-        except ForkRefused:
-            del self._gangs[world_size]
-            raise
+            return gang.start()
         except GangError as exc:
             raise GangError(f"{exc}\n{self.zygote.log_tail()}") from None
-        self._log_started(world_size)
-        return gang
-
-    def _log_started(self, world_size: int) -> None:
-        cause = "replaced a retired one" if world_size in self.gang_names else "first use"
-        count = sum(e.kind == "start" and e.world_size == world_size for e in self.events) + 1
-        self.gang_names[world_size] = f"ws{world_size}#{count}"
-        name = self.gang_names[world_size]
-        self.events.append(GangEvent(time.time(), "start", world_size, name, cause))
-
-    def _log_retired(self, world_size: int, cause: str) -> None:
-        """Note that the current gang of `world_size` retired (once, under the first cause seen)."""
-        name = self.gang_names.get(world_size)
-        if name is not None and name not in self._logged_retired:
-            self._logged_retired.add(name)
-            self.events.append(GangEvent(time.time(), "retire", world_size, name, cause))
 
     def close(self, at_once: bool = False) -> None:
         """Shut every gang and the zygote down; nothing of ours outlives this. `at_once`
@@ -222,7 +167,8 @@ class GangPool:
         for it to answer (see ZygoteClient.close)."""
         if at_once:
             self.zygote.close(at_once=True)
-        for gang in self._gangs.values():
-            gang.close()
-        self._gangs.clear()
+        for slot in self._slots.values():
+            if slot.gang is not None:
+                slot.gang.close()
+        self._slots.clear()
         self.zygote.close()

@@ -54,7 +54,7 @@ class Runtime:
         self.worker = self.xdist["worker"] if self.xdist else 0
         self._session_dir: str | None = self.xdist["session_dir"] if self.xdist else None
         self._session_dir = import_follower.followed_session_dir(config) or self._session_dir
-        from .pool import MODULE_SCOPE, SESSION_SCOPE
+        from .gang_slot import MODULE_SCOPE, SESSION_SCOPE
 
         scope = config.getini("megatron_gang_scope")
         if scope not in (SESSION_SCOPE, MODULE_SCOPE):
