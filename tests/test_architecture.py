@@ -207,3 +207,14 @@ def test_plugin_holds_hooks_only() -> None:
     assert not classes
     assert [f for f in functions if not f.startswith(("pytest_", "_"))] == []
     assert len((PACKAGE / "plugin.py").read_text().splitlines()) <= 300
+
+
+def test_only_roles_asks_which_process_this_is() -> None:
+    """Each process decides its role once, in roles.py: no other module reads the variables
+    that say how the process was started, or asks its config whether xdist made it a worker."""
+    tells = ("XDIST_WORKER_VAR", "TORCHRUN_VARS", 'hasattr(config, "workerinput")')
+    for path in PACKAGE.rglob("*.py"):
+        if path.name in ("roles.py", "protocol.py"):  # protocol defines the names roles reads
+            continue
+        text = path.read_text().replace("self.config", "config")
+        assert not [tell for tell in tells if tell in text], path

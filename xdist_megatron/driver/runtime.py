@@ -34,6 +34,7 @@ from ..protocol import (
     SessionArgs,
     module_of,
 )
+from ..roles import Role, role_of
 from . import import_follower, preload
 from .locks import DeviceLocks
 
@@ -163,7 +164,7 @@ class Runtime:
             return os.path.abspath(chosen)
         if self.xdist:
             return self.xdist["lock_dir"]
-        if hasattr(self.config, "workerinput"):
+        if role_of(self.config) is Role.WORKER:
             return os.path.join(tempfile.gettempdir(), f"xdist-megatron-locks-{os.getuid()}")
         return os.path.join(self.session_dir, "locks")
 
