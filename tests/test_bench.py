@@ -79,6 +79,11 @@ CASES = {
          "torch.distributed"],
         ["world_size(2) tests: needs 2 devices, 1 available", "one world_size(1) test each"],
     ),
+    "startup_phases": Case(
+        ["startup_phases.py", "--modules", "2", "--functions", "10", "--tests", "2", "--pairs",
+         "1", "-k", "2"],
+        ["launch to first test s", "K-run's launch to first test"],
+    ),
     "gangs_per_device": Case(
         ["gangs_per_device.py", "--tests", "2", "--modules", "1", "--rounds", "1", "--min-s",
          "0.01", "--max-s", "0.02", "--per-device", "2"],
