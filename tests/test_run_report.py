@@ -10,6 +10,7 @@ from xdist_megatron.protocol import GangEvent
 from xdist_megatron.report.gantt import svg
 from xdist_megatron.report.timeline import (
     Span,
+    critical_path,
     gangs_at_once,
     idle_gaps,
     lanes,
@@ -90,6 +91,20 @@ def test_the_summary_counts_gangs_by_size_and_cause() -> None:
     assert "ws2: 2 tests, 3.0 s" in lines
     assert "device utilisation: 50% of 4 devices x 3.0 s (test phase)" in lines
     assert "devices never used: 2, 3" in lines
+
+
+def test_the_critical_path_follows_what_held_each_test_back() -> None:
+    """From the test that ended last, back through what held its worker or a device it needed:
+    gw1's gang of 2 waited for gw0's test on device 0, not for gw1's own short test."""
+    a = Span("m.py::a", 0, 2, 1, (0,), "gw0", None, "passed")
+    b = Span("m.py::b", 2, 5, 1, (0,), "gw0", None, "passed")
+    c = Span("n.py::c", 0, 1, 1, (1,), "gw1", None, "passed")
+    d = Span("n.py::d", 5, 9, 2, (0, 1), "gw1", None, "passed")
+    assert critical_path([a, b, c, d]) == [a, b, d]
+    assert (
+        "critical path: 3 tests, 9.0 s of the 9.0 s test phase (from 0.0 s in, on gw1); "
+        "longest: n.py::d 4.0 s, m.py::b 3.0 s, m.py::a 2.0 s"
+    ) in summary([a, b, c, d], [], (0, 1), workers=2)
 
 
 def test_utilisation_counts_the_devices_the_runs_gangs_reach() -> None:

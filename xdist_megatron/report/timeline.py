@@ -112,7 +112,43 @@ def summary(
         units[module_of(span.nodeid), span.world_size] += span.seconds
     longest = sorted(units.items(), key=lambda u: -u[1])[:UNITS_SHOWN]
     lines.append("longest units: " + ", ".join(f"{m} {_ws(s)} {t:.1f} s" for (m, s), t in longest))
-    return lines + _sharing_lines(spans) + _idle_lines(spans, usable)
+    return lines + _critical_lines(spans) + _sharing_lines(spans) + _idle_lines(spans, usable)
+
+
+def _critical_lines(spans: list[Span]) -> list[str]:
+    """The critical path: how much of the test phase it covers, and its longest tests."""
+    path = critical_path(spans)
+    first, last = makespan(spans)
+    busy = sum(s.seconds for s in path)
+    longest = sorted(path, key=lambda s: -s.seconds)[:UNITS_SHOWN]
+    named = ", ".join(f"{s.nodeid} {s.seconds:.1f} s" for s in longest)
+    return [
+        f"critical path: {len(path)} tests, {busy:.1f} s of the {last - first:.1f} s test phase "
+        f"(from {path[0].start - first:.1f} s in, on {path[-1].worker}); longest: {named}"
+    ]
+
+
+def critical_path(spans: list[Span]) -> list[Span]:
+    """The tests that set the test phase's end, first to last: from the test that ended last,
+    back through the test that held its worker or one of its devices until it could start (the
+    latest to end at or before its start); where none did, it waited on nothing the run knows
+    of (the worker's start, collection) and the path begins there."""
+    if not spans:
+        return []
+    path = [max(spans, key=lambda s: s.end)]
+    while True:
+        test = path[-1]
+        held = [
+            s
+            for s in spans
+            if s.end <= test.start + GAP_COUNTED
+            and s is not test
+            and (s.worker == test.worker or set(s.devices) & set(test.devices))
+            and s.start < test.start
+        ]
+        if not held:
+            return path[::-1]
+        path.append(max(held, key=lambda s: s.end))
 
 
 def lanes(spans: list[Span]) -> dict[tuple[str, int], int]:
