@@ -61,10 +61,9 @@ class ControllerRuntime:
         if self._zygote is None:
             from ..driver import zygote_client
 
-            log = os.path.join(self.session_dir, zygote_client.HOST_ZYGOTE_LOG)
             self._zygote = zygote_client.spawn(
                 preload.known_early(self.config) or list(preload.ALWAYS_PRELOAD),
-                log if self.config.getoption("capture") != "no" else None,
+                zygote_client.host_zygote_log(self.session_dir, self.config.getoption("capture")),
                 zygote_client.shared_address(),
                 self.devices.is_cuda,
             )

@@ -17,7 +17,6 @@ the plugin imports it too.
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import threading
@@ -66,8 +65,7 @@ def follow_imports(config: pytest.Config) -> ImportFollower | None:
     from . import zygote_client  # here: every run imports this module, few follow
 
     session_dir = tempfile.mkdtemp(prefix="xdist-megatron-session-")
-    log = os.path.join(session_dir, zygote_client.HOST_ZYGOTE_LOG)
-    log = log if known.capture != "no" else None
+    log = zygote_client.host_zygote_log(session_dir, known.capture)
     address = zygote_client.shared_address() if controller else None
     cuda = gpus_likely(known.megatron_devices)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .. import placement
-from ..protocol import GangEvent, Job, RankResult
+from ..protocol import Job, RankResult
 from .gang import Gang, GangError
 from .gang_slot import SESSION_SCOPE, GangLog, GangSlot
 from .locks import DeviceLocks
@@ -62,14 +62,6 @@ class GangPool:
             host_zygote_log,
             name,
         )
-
-    @property
-    def events(self) -> list[GangEvent]:
-        return self.log.events
-
-    @property
-    def gang_names(self) -> dict[int, str]:
-        return self.log.names
 
     @property
     def all_notes(self) -> list[str]:

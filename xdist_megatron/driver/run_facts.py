@@ -88,9 +88,9 @@ class RunFacts:
         if world_size is None or not on_gang:
             return {"gang": None, "events": [], "gpu_used": []}
         pool = self.runtime.pool
-        events = pool.events[self._events_told :]
-        self._events_told = len(pool.events)
+        events = pool.log.events[self._events_told :]
+        self._events_told = len(pool.log.events)
         named = [{**asdict(e), "gang": f"{self.worker}:{e.gang}"} for e in events]
-        name = pool.gang_names.get(world_size)
+        name = pool.log.names.get(world_size)
         gang = f"{self.worker}:{name}" if name else None
         return {"gang": gang, "events": named, "gpu_used": list(pool.last_gpu_used)}

@@ -35,6 +35,12 @@ HOST_ZYGOTE_LOG = "zygote.log"  # in the session folder: output of the workers' 
 ZYGOTE_START_TIMEOUT = 600.0  # importing megatron + TE cold can take minutes on a loaded CI host
 
 
+def host_zygote_log(session_dir: str, capture: str) -> str | None:
+    """Where the session's shared zygote writes its output: a file of the session folder, or
+    the terminal (None) under `--capture=no`."""
+    return os.path.join(session_dir, HOST_ZYGOTE_LOG) if capture != "no" else None
+
+
 class ZygoteError(RuntimeError):
     """The zygote could not be started or stopped answering."""
 
