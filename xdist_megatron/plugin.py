@@ -8,7 +8,7 @@ written, the header says nothing (the Ctrl-C latch of interrupts.py waits for a 
 A run uses the plugin where that is known before the conftest files load (`early_cache.decide`:
 its options, its ini, the record of the last runs' tests on gangs), or from the moment
 collection finds a test marked for a gang or one that requests a rank fixture no one else
-defines. From then on `_engage` builds the runtime of the process's role (`roles.py`): the
+defines. From then on `engage.py` builds the runtime of the process's role (`roles.py`): the
 controller's (`controller/runtime.py`), a driver's with its hooks (`driver/runtime_hooks.py`) or
 a rank's (`ranks/inprocess.py`); known early, the zygote starts as the conftest files import
 torch.
